@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Fetch the pinned ggml release, verify it, and build its shared libraries into
+# pyggml_dkv/_libs/ (lib/ + include/), where the cffi extension links against them.
+#
+#   ./build_ggml.sh                 CPU backend (native SIMD)
+#   GGML_CUDA=1 ./build_ggml.sh     + CUDA backend (cuBLAS from the toolkit or the nvidia-cublas wheel)
+#   GGML_RPC=1 ./build_ggml.sh      + RPC backend
+#   GGML_SRC=/path ./build_ggml.sh  build a ggml checkout of your own instead of the pin
+#
+# Other knobs: CUDA_ARCHITECTURES (default: native when a GPU is visible, else 90),
+# GGML_BUILD_TYPE (Release), GGML_JOBS (nproc), GGML_SANITIZE=address (ASan build),
+# GGML_OFFLINE=1 (never touch the network: the sdist must already be in vendor/downloads/).
+#
+# Idempotent: a second run with the same source and options returns in well under a second.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VENDOR="$ROOT/vendor"
+PREFIX="$ROOT/pyggml_dkv/_libs"
+PYTHON="${PYTHON:-python3}"
+
+die() { echo "build_ggml.sh: error: $*" >&2; exit 1; }
+say() { echo "build_ggml.sh: $*" >&2; }
+
+# shellcheck source=/dev/null
+. "$VENDOR/ggml.pin"
+
+# ---------------------------------------------------------------- source
+fetch_pinned_source() {
+    local dest="$VENDOR/ggml" stamp="$VENDOR/ggml/.pyggml_dkv_source"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$GGML_SDIST_SHA256" ]; then
+        return
+    fi
+    local dl="$VENDOR/downloads" sdist="$VENDOR/downloads/$GGML_SDIST_FILE"
+    mkdir -p "$dl"
+    if [ ! -f "$sdist" ]; then
+        [ "${GGML_OFFLINE:-0}" = 1 ] && die "GGML_OFFLINE=1 but $sdist is missing; copy it there or unset GGML_OFFLINE"
+        say "downloading $GGML_PYPI_REQUIREMENT (source distribution) with pip"
+        if ! "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: \
+                --no-build-isolation -d "$dl" "$GGML_PYPI_REQUIREMENT" 2>"$dl/pip.log" \
+            && ! "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: \
+                -d "$dl" "$GGML_PYPI_REQUIREMENT" 2>>"$dl/pip.log"; then
+            if [ -f "$sdist" ]; then
+                say "pip could not prepare the sdist's metadata, but the file arrived; continuing"
+            else
+                tail -n 5 "$dl/pip.log" >&2 || true
+                die "pip could not download $GGML_PYPI_REQUIREMENT (no network or no PyPI?). Full log: $dl/pip.log"
+            fi
+        fi
+        [ -f "$sdist" ] || die "pip ran but $sdist did not appear (see $dl/pip.log)"
+    fi
+    local got
+    got="$(sha256sum "$sdist" | cut -d' ' -f1)"
+    if [ "$got" != "$GGML_SDIST_SHA256" ]; then
+        mv -f "$sdist" "$sdist.rejected"
+        die "sha256 mismatch for $GGML_SDIST_FILE: expected $GGML_SDIST_SHA256, got $got (moved aside to $sdist.rejected)"
+    fi
+    say "unpacking ggml $GGML_VERSION into vendor/ggml"
+    local tmp
+    tmp="$(mktemp -d "$VENDOR/unpack.XXXXXX")"
+    tar -xzf "$sdist" -C "$tmp" "$GGML_SDIST_SUBDIR"
+    rm -rf "$dest"
+    mv "$tmp/$GGML_SDIST_SUBDIR" "$dest"
+    rm -rf "$tmp"
+    echo "$GGML_SDIST_SHA256" > "$stamp"
+}
+
+if [ -n "${GGML_SRC:-}" ]; then
+    SRC="$(cd "$GGML_SRC" 2>/dev/null && pwd)" || die "GGML_SRC=$GGML_SRC is not a directory"
+    [ -f "$SRC/include/ggml.h" ] && [ -f "$SRC/CMakeLists.txt" ] || die "GGML_SRC=$SRC does not look like a ggml tree (no include/ggml.h or CMakeLists.txt)"
+    SRC_ID="custom:$SRC"
+else
+    fetch_pinned_source
+    SRC="$VENDOR/ggml"
+    SRC_ID="pin:$GGML_SDIST_SHA256"
+fi
+
+# ---------------------------------------------------------------- toolchain
+command -v cmake >/dev/null || die "cmake not found (apt-get install cmake, or pip install cmake)"
+command -v "${CC:-cc}" >/dev/null || die "no C compiler found (apt-get install build-essential)"
+command -v "${CXX:-c++}" >/dev/null || die "no C++ compiler found (apt-get install g++)"
+
+CMAKE_ARGS=(
+    -DCMAKE_BUILD_TYPE="${GGML_BUILD_TYPE:-Release}"
+    -DBUILD_SHARED_LIBS=ON
+    -DGGML_NATIVE=ON
+    -DGGML_BUILD_TESTS=OFF
+    -DGGML_BUILD_EXAMPLES=OFF
+    -DGGML_CCACHE=OFF
+    -DCMAKE_INSTALL_LIBDIR=lib
+    # the libraries find each other next to themselves wherever the package is installed
+    -DCMAKE_INSTALL_RPATH='$ORIGIN'
+    -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON
+)
+VARIANT="cpu"
+
+if [ "${GGML_SANITIZE:-}" = address ]; then
+    CMAKE_ARGS+=(-DGGML_SANITIZE_ADDRESS=ON -DGGML_BUILD_TYPE=RelWithDebInfo)
+    VARIANT="$VARIANT-asan"
+fi
+
+if [ "${GGML_RPC:-0}" = 1 ]; then
+    CMAKE_ARGS+=(-DGGML_RPC=ON)
+    VARIANT="$VARIANT-rpc"
+fi
+
+if [ "${GGML_CUDA:-0}" = 1 ]; then
+    # shellcheck source=/dev/null
+    . "$ROOT/scripts/cuda_env.sh"
+    cuda_configure   # appends to CMAKE_ARGS, or dies naming what is missing
+    VARIANT="$VARIANT-cuda"
+fi
+
+# ---------------------------------------------------------------- build
+BUILD="$VENDOR/build/$VARIANT"
+STAMP="$PREFIX/.build-stamp"
+KEY="$SRC_ID|$VARIANT|${CMAKE_ARGS[*]}"
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] && [ -f "$PREFIX/lib/libggml.so" ] \
+   && [ "${SRC_ID#custom:}" = "$SRC_ID" ]; then
+    say "ggml $GGML_VERSION ($VARIANT) is up to date in pyggml_dkv/_libs"
+    exit 0
+fi
+
+mkdir -p "$VENDOR/build"
+say "configuring ggml ($VARIANT) in vendor/build/$VARIANT"
+cmake -S "$SRC" -B "$BUILD" "${CMAKE_ARGS[@]}" > "$BUILD.configure.log" 2>&1 \
+    || { tail -n 30 "$BUILD.configure.log" >&2; die "cmake configure failed (full log: $BUILD.configure.log)"; }
+JOBS="${GGML_JOBS:-$(nproc)}"
+say "compiling with $JOBS jobs (log: $BUILD.build.log)"
+start=$(date +%s)
+cmake --build "$BUILD" -j "$JOBS" > "$BUILD.build.log" 2>&1 \
+    || { grep -m 20 -iE "error" "$BUILD.build.log" >&2 || tail -n 30 "$BUILD.build.log" >&2; die "compilation failed (full log: $BUILD.build.log)"; }
+rm -rf "$PREFIX"
+cmake --install "$BUILD" --prefix "$PREFIX" > "$BUILD.install.log" 2>&1 \
+    || { tail -n 20 "$BUILD.install.log" >&2; die "cmake install failed"; }
+rm -rf "$PREFIX/lib/cmake" "$PREFIX/lib/pkgconfig"
+if [ -n "${CUDA_RUNTIME_LIBS:-}" ]; then
+    # cuBLAS from the wheel travels with the package so the CUDA backend loads without it
+    for lib in $CUDA_RUNTIME_LIBS; do cp -P "$lib"* "$PREFIX/lib/" 2>/dev/null || true; done
+fi
+echo "$KEY" > "$STAMP"
+echo "$VARIANT" > "$PREFIX/variant"
+say "built ggml $GGML_VERSION ($VARIANT) in $(( $(date +%s) - start ))s into pyggml_dkv/_libs"

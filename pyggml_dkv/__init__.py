@@ -1,0 +1,56 @@
+"""pyggml_dkv: Python bindings over ggml (cffi) and a DFlash drafter context-KV ring cache.
+
+The pure-Python parts (config, weights, reference) import without the compiled extension;
+everything that touches ggml is loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .config import ConfigError, DraftConfig
+from .weights import DraftWeights, WeightsError
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported lazily: these need the ggml extension)
+_LAZY = {
+    "available_backends": "ggml",
+    "list_devices": "ggml",
+    "Backend": "ggml",
+    "BackendInfo": "ggml",
+    "BackendUnavailableError": "ggml",
+    "Buffer": "ggml",
+    "Context": "ggml",
+    "Gallocr": "ggml",
+    "GGMLError": "ggml",
+    "Graph": "ggml",
+    "Tensor": "ggml",
+    "live_objects": "ggml",
+    "BackendWeights": "backend_weights",
+    "FeatureRing": "features",
+    "DraftKvCache": "draft_kv",
+    "DraftKvState": "draft_kv",
+    "draft_kv_init": "draft_kv",
+    "draft_kv_reset": "draft_kv",
+    "draft_kv_free": "draft_kv",
+    "draft_kv_begin_step": "draft_kv",
+    "OneShotDrafter": "oneshot",
+    "Drafter": "drafter",
+}
+
+__all__ = ["ConfigError", "DraftConfig", "DraftWeights", "WeightsError", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pyggml_dkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,44 @@
+"""The raw cffi `ffi` / `lib` pair, mirroring ggml's C headers one-to-one.
+
+Everything above this module goes through the Pythonic layer in `pyggml_dkv.ggml`; use `lib`
+directly only when you know ggml's C contracts (it aborts the process on misuse).
+"""
+
+from __future__ import annotations
+
+import logging
+
+try:
+    from ._ggml_cffi import ffi, lib
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "pyggml_dkv's compiled ggml bindings are missing or cannot load "
+        f"({exc}). Install the package with `pip install -e .` (it builds ggml through "
+        "build_ggml.sh), or run ./build_ggml.sh and reinstall."
+    ) from exc
+
+__all__ = ["ffi", "lib"]
+
+_ggml_logger = logging.getLogger("pyggml_dkv.ggml")
+_LEVELS = {
+    lib.GGML_LOG_LEVEL_DEBUG: logging.DEBUG,
+    lib.GGML_LOG_LEVEL_INFO: logging.INFO,
+    lib.GGML_LOG_LEVEL_WARN: logging.WARNING,
+    lib.GGML_LOG_LEVEL_ERROR: logging.ERROR,
+}
+_last_level = logging.INFO
+
+
+@ffi.def_extern()
+def _pyggml_log_callback(level: int, text: "ffi.CData", user_data: "ffi.CData") -> None:
+    # ggml's own messages go to the `pyggml_dkv.ggml` logger instead of stderr;
+    # CONT lines continue the previous message at its level.
+    global _last_level
+    if level != lib.GGML_LOG_LEVEL_CONT:
+        _last_level = _LEVELS.get(level, logging.INFO)
+    msg = ffi.string(text).decode("utf-8", "replace").rstrip("\n")
+    if msg:
+        _ggml_logger.log(_last_level, "%s", msg)
+
+
+lib.ggml_log_set(lib._pyggml_log_callback, ffi.NULL)

@@ -1,0 +1,114 @@
+"""FeatureRing: the host's ring of captured target features, one row per committed token (SPEC.md §4)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .numeric import bf16_bits_to_fp32, fp32_to_bf16_bits
+
+RING_DTYPES = ("f32", "f16", "bf16")
+
+
+class FeatureRing:
+    """`cap` rows of `fc_in` features; position p lives in row p % cap.
+
+    Positions [oldest, written) are readable. Writing at a position below `written` (after a
+    rewind) discards every later position. Unwritten storage is NaN, so reading a row that was
+    never written could not go unnoticed.
+    """
+
+    def __init__(self, cap: int, fc_in: int, dtype: str = "f32") -> None:
+        for name, value in (("cap", cap), ("fc_in", fc_in)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"FeatureRing {name} must be a positive int, got {value!r}")
+        if dtype not in RING_DTYPES:
+            raise ValueError(f"FeatureRing dtype must be one of {RING_DTYPES}, got {dtype!r}")
+        if int(cap) * int(fc_in) > 2**33:
+            raise ValueError(f"FeatureRing of {cap} x {fc_in} is too large")
+        self.cap = int(cap)
+        self.fc_in = int(fc_in)
+        self.dtype = dtype
+        if dtype == "bf16":
+            self._rows = np.full((self.cap, self.fc_in), 0x7FC0, dtype=np.uint16)
+        else:
+            self._rows = np.full((self.cap, self.fc_in), np.nan, dtype=np.float32 if dtype == "f32" else np.float16)
+        self.written = 0  # next position to write
+        self.oldest = 0  # first position still readable
+
+    def __len__(self) -> int:
+        return self.written - self.oldest
+
+    def _encode(self, rows: np.ndarray) -> np.ndarray:
+        if self.dtype == "bf16":
+            return fp32_to_bf16_bits(rows)
+        return rows.astype(self._rows.dtype, copy=False)
+
+    def _check_rows(self, rows: object) -> np.ndarray:
+        arr = np.asarray(rows)
+        if arr.ndim == 1:
+            arr = arr[None, :]
+        if arr.ndim != 2 or arr.shape[1] != self.fc_in:
+            raise ValueError(f"feature rows must have shape (n, {self.fc_in}), got {np.shape(rows)}")
+        if arr.dtype.kind != "f":
+            raise TypeError(f"feature rows must be floating point, got dtype {arr.dtype}")
+        if not np.isfinite(arr).all():
+            bad = int(np.argwhere(~np.isfinite(arr))[0][0])
+            raise ValueError(f"feature rows contain NaN or inf (first at row {bad})")
+        return arr
+
+    def append(self, rows: object) -> None:
+        """Write rows for positions written, written+1, ..."""
+        self.write(self.written, rows)
+
+    def write(self, pos: int, rows: object) -> None:
+        """Write rows at absolute positions pos.. ; pos <= written (a pos below truncates the ring there)."""
+        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)):
+            raise TypeError(f"pos must be an int, got {type(pos).__name__}")
+        pos = int(pos)
+        if pos < 0 or pos > self.written:
+            raise ValueError(f"cannot write at position {pos}: positions must be contiguous (written={self.written})")
+        if pos < self.oldest:
+            raise ValueError(f"cannot write at position {pos}: it is older than the oldest kept position {self.oldest}")
+        arr = self._check_rows(rows)
+        n = arr.shape[0]
+        if n == 0:
+            return
+        if n > self.cap:  # only the last cap rows survive
+            arr, pos, skipped = arr[n - self.cap:], pos + n - self.cap, n - self.cap
+            n = self.cap
+        else:
+            skipped = 0
+        enc = self._encode(arr)
+        first = pos % self.cap
+        head = min(n, self.cap - first)
+        self._rows[first:first + head] = enc[:head]
+        self._rows[: n - head] = enc[head:]
+        self.written = pos + n
+        self.oldest = max(self.oldest, self.written - self.cap) if skipped == 0 else self.written - self.cap
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Positions [start, start+n) as float32 (n, fc_in); refuses overwritten or unwritten ones."""
+        out = np.empty((max(int(n), 0), self.fc_in), dtype=np.float32)
+        self.read_into(start, out)
+        return out
+
+    def read_into(self, start: int, out: np.ndarray) -> None:
+        """Like read(), into a caller-owned float32 (n, fc_in) array (no allocation)."""
+        n = out.shape[0]
+        start = int(start)
+        if n < 0 or start < 0:
+            raise ValueError(f"bad range start={start}, n={n}")
+        if n == 0:
+            return
+        if start < self.oldest:
+            raise ValueError(f"positions from {start} were overwritten (oldest kept: {self.oldest}, ring cap {self.cap})")
+        if start + n > self.written:
+            raise ValueError(f"positions up to {start + n - 1} were never written (written={self.written})")
+        first = start % self.cap
+        head = min(n, self.cap - first)
+        if self.dtype == "bf16":
+            out[:head] = bf16_bits_to_fp32(self._rows[first:first + head])
+            out[head:] = bf16_bits_to_fp32(self._rows[: n - head])
+        else:
+            out[:head] = self._rows[first:first + head]
+            out[head:] = self._rows[: n - head]

@@ -1,0 +1,131 @@
+"""Graph builders for the drafter (SPEC.md §1), shared by the ring cache and the one-shot graph.
+
+Every function takes the graph Context `g`, appends ops, and returns the resulting Tensor(s).
+Shapes are ggml order: a token's vector is ne0, tokens are ne1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .backend_weights import BackendWeights
+from .config import DraftConfig
+from .ggml import Context, Tensor, lib
+
+ROPE_NEOX = int(lib.GGML_ROPE_TYPE_NEOX)
+
+
+def graph_size_for(cfg: DraftConfig) -> int:
+    """Upper bound on nodes + leafs of a step graph (about 60 per layer, plus head and inputs)."""
+    return 128 * cfg.n_layer + 256
+
+
+def norm(g: Context, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm(x) * weight over ne0."""
+    return g.mul(g.rms_norm(x, eps), weight)
+
+
+def rope(g: Context, x: Tensor, pos: Tensor, cfg: DraftConfig) -> Tensor:
+    """NEOX RoPE (with the config's YaRN args) of x [head_dim, heads, tokens] at i32 positions [tokens]."""
+    return g.rope_ext(x, pos, cfg.head_dim, ROPE_NEOX, cfg.n_ctx_orig, cfg.rope_theta, cfg.freq_scale,
+                      cfg.ext_factor, cfg.attn_factor, cfg.beta_fast, cfg.beta_slow)
+
+
+def fuse_features(g: Context, w: BackendWeights, feat: Tensor) -> Tensor:
+    """feat [fc_in, n] -> RMSNorm(fc @ feat) * hidden_norm  [hidden, n]."""
+    return norm(g, g.mul_mat(w["fc.weight"], feat), w["hidden_norm.weight"], w.cfg.rms_eps)
+
+
+def project_heads(g: Context, w: BackendWeights, layer: int, which: str, x: Tensor, n_heads: int) -> Tensor:
+    """`which`_proj @ x reshaped to [head_dim, n_heads, tokens]."""
+    y = g.mul_mat(w.layer(layer, f"self_attn.{which}_proj.weight"), x)
+    return g.reshape(y, w.cfg.head_dim, n_heads, x.ne[1])
+
+
+def keys(g: Context, w: BackendWeights, layer: int, x: Tensor, pos: Tensor) -> Tensor:
+    """K of tokens x [hidden, n]: per-head RMSNorm * k_norm, RoPE at pos -> [head_dim*n_head_kv, n] f32."""
+    cfg = w.cfg
+    k = project_heads(g, w, layer, "k", x, cfg.n_head_kv)
+    k = rope(g, norm(g, k, w.layer(layer, "self_attn.k_norm.weight"), cfg.rms_eps), pos, cfg)
+    return g.reshape(k, cfg.head_dim * cfg.n_head_kv, x.ne[1])
+
+
+def values(g: Context, w: BackendWeights, layer: int, x: Tensor) -> Tensor:
+    """V of tokens x [hidden, n] -> [head_dim*n_head_kv, n] f32 (no norm)."""
+    return g.mul_mat(w.layer(layer, "self_attn.v_proj.weight"), x)
+
+
+def queries(g: Context, w: BackendWeights, layer: int, hn: Tensor, pos: Tensor) -> Tensor:
+    """Q of the noise block: per-head RMSNorm * q_norm, RoPE -> [head_dim, q_len, n_head] for flash attention."""
+    cfg = w.cfg
+    q = project_heads(g, w, layer, "q", hn, cfg.n_head)
+    q = rope(g, norm(g, q, w.layer(layer, "self_attn.q_norm.weight"), cfg.rms_eps), pos, cfg)
+    return g.permute(q, 0, 2, 1, 3)
+
+
+def kv_heads_view(g: Context, cache: Tensor, cfg: DraftConfig, n_rows: int) -> Tensor:
+    """A [head_dim*n_head_kv, rows] cache seen as [head_dim, rows, n_head_kv] (no copy)."""
+    head_bytes = cache.nb[0] * cfg.head_dim
+    return g.view(cache, (cfg.head_dim, n_rows, cfg.n_head_kv), (cache.nb[1], head_bytes), 0)
+
+
+def attend(g: Context, w: BackendWeights, layer: int, q: Tensor, k_all: Tensor, v_all: Tensor, mask: Tensor) -> Tensor:
+    """Flash attention of q over [head_dim*n_head_kv, rows] K/V, then o_proj -> [hidden, q_len]."""
+    cfg = w.cfg
+    rows = k_all.ne[1]
+    k = kv_heads_view(g, k_all, cfg, rows)
+    v = kv_heads_view(g, v_all, cfg, rows)
+    out = g.flash_attn_ext(q, k, v, mask, 1.0 / math.sqrt(cfg.head_dim), prec_f32=True)
+    out = g.reshape(out, cfg.head_dim * cfg.n_head, q.ne[1])
+    return g.mul_mat(w.layer(layer, "self_attn.o_proj.weight"), out)
+
+
+def feed_forward(g: Context, w: BackendWeights, layer: int, h: Tensor) -> Tensor:
+    """h + down(silu(gate(hf)) * up(hf)), hf = RMSNorm(h) * post_attention_layernorm."""
+    hf = norm(g, h, w.layer(layer, "post_attention_layernorm.weight"), w.cfg.rms_eps)
+    gate = g.mul_mat(w.layer(layer, "mlp.gate_proj.weight"), hf)
+    up = g.mul_mat(w.layer(layer, "mlp.up_proj.weight"), hf)
+    return g.add(h, g.mul_mat(w.layer(layer, "mlp.down_proj.weight"), g.mul(g.silu(gate), up)))
+
+
+@dataclass
+class Head:
+    """The drafter's output: hidden states, and logits when an lm_head was given."""
+
+    hidden: Tensor
+    logits: Tensor | None
+
+
+def output_head(g: Context, w: BackendWeights, h: Tensor, lm_head: Tensor | None) -> Head:
+    """out = RMSNorm(h) * norm; logits = lm_head @ out * output_multiplier, soft-capped if configured."""
+    cfg = w.cfg
+    out = norm(g, h, w["norm.weight"], cfg.rms_eps)
+    out.name = "hidden_states"
+    out.set_output()
+    logits = None
+    if lm_head is not None:
+        logits = g.mul_mat(lm_head, out)
+        if cfg.output_multiplier != 1.0:
+            logits = g.scale(logits, cfg.output_multiplier)
+        if cfg.final_logit_softcapping:
+            cap = float(cfg.final_logit_softcapping)
+            logits = g.scale(g.tanh(g.scale(logits, 1.0 / cap)), cap)
+        logits.name = "logits"
+        logits.set_output()
+    return Head(out, logits)
+
+
+def append_rows(g: Context, w: BackendWeights, k_caches: list[Tensor], v_caches: list[Tensor],
+                feat: Tensor, pos: Tensor, rows: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+    """Fold-in append: fuse feat [fc_in, n], write each layer's K/V of those rows into the caches at `rows`.
+
+    Returns the caches as written (set_rows results): reading through them orders every read
+    after the write in the graph.
+    """
+    fused = fuse_features(g, w, feat)
+    new_k, new_v = [], []
+    for layer, (kc, vc) in enumerate(zip(k_caches, v_caches)):
+        new_k.append(g.set_rows(kc, keys(g, w, layer, fused, pos), rows))
+        new_v.append(g.set_rows(vc, values(g, w, layer, fused), rows))
+    return new_k, new_v
