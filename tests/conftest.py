@@ -1,0 +1,44 @@
+"""Shared fixtures, and the parity figures printed in the test summary so regressions show."""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+# (comparison, precision) -> worst max|a-b|/max|b| seen, with the case that produced it
+_WORST: dict[tuple[str, str], tuple[float, str]] = defaultdict(lambda: (0.0, ""))
+
+
+def record_parity(comparison: str, precision: str, error: float, case: str) -> None:
+    key = (comparison, precision)
+    if error >= _WORST[key][0]:
+        _WORST[key] = (error, case)
+
+
+@pytest.fixture(scope="session")
+def parity_log():
+    return record_parity
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
+    if not _WORST:
+        return
+    terminalreporter.section("parity: worst max|a-b|/max|b|")
+    for (comparison, precision), (error, case) in sorted(_WORST.items()):
+        terminalreporter.write_line(f"{comparison:<28} {precision:<22} {error:.3e}   ({case})")
+
+
+@pytest.fixture(scope="session")
+def cpu():
+    from pyggml_dkv import Backend
+
+    backend = Backend("cpu")
+    yield backend
+    backend.close()
