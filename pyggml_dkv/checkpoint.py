@@ -287,7 +287,12 @@ def _atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
 
 
 def _save_dtype(dtype: object) -> tuple[str, str]:
-    key = str(np.dtype(dtype)) if not isinstance(dtype, str) and dtype is not None else dtype
+    key = dtype
+    if not isinstance(dtype, str) and dtype is not None:
+        try:
+            key = str(np.dtype(dtype))  # type: ignore[call-overload]
+        except TypeError:
+            key = None
     if isinstance(key, str) and key.lower() in SAVE_DTYPES:
         return SAVE_DTYPES[key.lower()]
     raise CheckpointError(f"unsupported checkpoint dtype {dtype!r}; use 'float32', 'bfloat16' or 'float16'")
@@ -317,7 +322,8 @@ _DEFAULT_BLOCK_SIZE = 16  # dflash: int(_draft_value(config, "block_size", 16))
 # top-level keys that carry nothing this drafter's math depends on, or that are checked below
 _TOP_LEVEL_KEYS = {
     # PreTrainedConfig bookkeeping (transformers 4.x and 5.x)
-    "_name_or_path", "architectures", "auto_map", "model_type", "transformers_version", "dtype",
+    "_name_or_path", "_attn_implementation", "_attn_implementation_autoset", "architectures", "auto_map",
+    "model_type", "transformers_version", "dtype",
     "torch_dtype", "use_bfloat16", "chunk_size_feed_forward", "id2label", "label2id", "num_labels",
     "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
     "cross_attention_hidden_size", "output_attentions", "output_hidden_states", "return_dict",
@@ -376,7 +382,7 @@ def _float_value(where: str, value: Any) -> float:
     return float(value)
 
 
-def _rope_from_hf(hf: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
+def _rope_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     """RoPE settings of a transformers config in ggml_rope_ext's terms.
 
     transformers (5.x `convert_rope_params_to_dict` / `standardize_rope_params`, 4.x the same
@@ -607,7 +613,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> DraftConfig:
             output_multiplier=_float_value("output_multiplier", value("output_multiplier", 1.0)),
             final_logit_softcapping=softcap if softcap is not None and softcap > 0 else None,
             target_layer_ids=ids,
-            **_rope_from_hf(hf, head_dim),
+            **_rope_from_hf(hf),
         )
     except ConfigError as e:
         raise CheckpointError(str(e)) from e
@@ -724,11 +730,12 @@ def _read_tensors(root: Path) -> tuple[dict[str, np.ndarray], str]:
         if not isinstance(shard, str) or not _SHARD_NAME.match(shard) or shard in (".safetensors", "..safetensors"):
             raise CheckpointError(f"{index}: tensor {name!r} maps to a bad shard file name {shard!r}")
         by_shard.setdefault(shard, []).append(name)
+    for shard in by_shard:
+        if not (root / shard).is_file():
+            raise CheckpointNotFoundError(f"shard {root / shard} named by {index} does not exist")
     tensors: dict[str, np.ndarray] = {}
     for shard, names in by_shard.items():
         path = root / shard
-        if not path.is_file():
-            raise CheckpointNotFoundError(f"shard {path} named by {index} does not exist")
         header, _, _ = read_safetensors_header(path)
         missing = sorted(set(names) - set(header))
         if missing:

@@ -68,7 +68,12 @@ class DraftKvCache:
         lm_head: Any = None,
         cache_type: str = "f16",
         swa: str = "seed",
+        embed_tokens: Any = None,
     ) -> None:
+        """`lm_head` / `embed_tokens`: the target's (vocab, hidden) head and token embedding, as
+        arrays (uploaded in the weights' dtype) or uploaded Tensors. With `embed_tokens` the step
+        takes token ids (`inp_tokens`) and looks their embeddings up inside the graph; with
+        `lm_head` the graph also yields `logits` and their per-row argmax `draft_ids`."""
         if not isinstance(weights, BackendWeights):
             raise TypeError("weights must be BackendWeights (DraftWeights.to_backend(backend, dtype))")
         _check_backend_match(weights, backend)
@@ -101,7 +106,8 @@ class DraftKvCache:
         log.debug("DraftKvCache cap=%d kv_total=%d a_step=%d: %.1f MiB of K/V", self.cap, self.kv_total, self.a_step, kv_bytes / 2**20)
 
         try:
-            self._init_lm_head(lm_head)
+            self.lm_head = self._init_vocab_matrix(lm_head, "lm_head")
+            self.embed_tokens = self._init_vocab_matrix(embed_tokens, "embed_tokens")
             self._init_memory()
             self._build_step_graph()
         except BaseException:
@@ -123,36 +129,37 @@ class DraftKvCache:
         self._owned.append(obj)
         return obj
 
-    def _init_lm_head(self, lm_head: Any) -> None:
-        self.lm_head: Tensor | None = None
-        if lm_head is None:
-            return
+    def _init_vocab_matrix(self, matrix: Any, name: str) -> Tensor | None:
+        """A (vocab, hidden) target matrix on the backend: given as a Tensor, or uploaded here."""
+        if matrix is None:
+            return None
         cfg = self.cfg
-        if isinstance(lm_head, Tensor):
-            if lm_head.ne[0] != cfg.hidden or lm_head.ndim != 2:
-                raise ValueError(f"lm_head tensor must be [hidden={cfg.hidden}, vocab], got ne={lm_head.ne}")
-            self.lm_head = lm_head
-        else:
-            arr = np.asarray(lm_head)
-            if arr.ndim != 2 or arr.shape[1] != cfg.hidden:
-                raise ValueError(f"lm_head must be a (vocab, hidden={cfg.hidden}) array, got shape {arr.shape}")
-            if cfg.vocab is not None and arr.shape[0] != cfg.vocab:
-                raise ValueError(f"lm_head has {arr.shape[0]} rows, the config says vocab={cfg.vocab}")
-            dtype = self.weights.dtype
-            tensor, buf = upload_matrix(self.backend, arr, dtype, "lm_head")
-            self._own(buf)
-            self.lm_head = tensor
+        if isinstance(matrix, Tensor):
+            if matrix.ne[0] != cfg.hidden or matrix.ne[2:] != (1, 1):
+                raise ValueError(f"{name} tensor must be [hidden={cfg.hidden}, vocab], got ne={matrix.ne}")
+            return matrix
+        arr = np.asarray(matrix)
+        if arr.ndim != 2 or arr.shape[1] != cfg.hidden:
+            raise ValueError(f"{name} must be a (vocab, hidden={cfg.hidden}) array, got shape {arr.shape}")
+        if cfg.vocab is not None and arr.shape[0] != cfg.vocab:
+            raise ValueError(f"{name} has {arr.shape[0]} rows, the config says vocab={cfg.vocab}")
+        tensor, buf = upload_matrix(self.backend, arr, self.weights.dtype, name)
+        self._own(buf)
+        return tensor
 
     def _init_memory(self) -> None:
         """Caches + every graph input in ONE dedicated, zero-filled backend buffer."""
         cfg = self.cfg
         kv_width = cfg.head_dim * cfg.n_head_kv
-        n_tensors = 2 * cfg.n_layer + 9
+        n_tensors = 2 * cfg.n_layer + 10
         self.mem_ctx = self._own(Context(n_tensors=n_tensors))
         m = self.mem_ctx
         self.k_cache = [m.new_tensor(self.cache_type, kv_width, self.kv_total, name=f"k_cache.{i}") for i in range(cfg.n_layer)]
         self.v_cache = [m.new_tensor(self.cache_type, kv_width, self.kv_total, name=f"v_cache.{i}") for i in range(cfg.n_layer)]
-        self.inp_embed = m.new_tensor("f32", cfg.hidden, self.q_len, name="inp_embed")
+        # the noise block enters as embeddings the host fills, or as token ids looked up in-graph
+        token_mode = self.embed_tokens is not None
+        self.inp_tokens = m.new_tensor("i32", self.q_len, name="inp_tokens") if token_mode else None
+        self.inp_embed = None if token_mode else m.new_tensor("f32", cfg.hidden, self.q_len, name="inp_embed")
         self.pos_q = m.new_tensor("i32", self.q_len, name="pos_q")
         self.noise_rows = m.new_tensor("i32", self.q_len, name="noise_rows")
         self.mask_full = m.new_tensor("f16", self.kv_total, self.q_len, name="mask_full") if self.any_full else None
@@ -160,7 +167,7 @@ class DraftKvCache:
         self.ap_feat = m.new_tensor("f32", self.fc_in, self.a_step, name="ap_feat")
         self.ap_pos = m.new_tensor("i32", self.a_step, name="ap_pos")
         self.ap_rows = m.new_tensor("i32", self.a_step, name="ap_rows")
-        for t in (self.inp_embed, self.pos_q, self.noise_rows, self.ap_feat, self.ap_pos, self.ap_rows,
+        for t in (self.inp_embed, self.inp_tokens, self.pos_q, self.noise_rows, self.ap_feat, self.ap_pos, self.ap_rows,
                   self.mask_full, self.mask_swa):
             if t is not None:
                 t.set_input()
@@ -182,7 +189,12 @@ class DraftKvCache:
             self.gf.expand(t)
 
         # (b) noise forward over the whole kv_total span of each cache
-        h = self.inp_embed
+        if self.inp_tokens is not None:
+            h = g.get_rows(self.embed_tokens, self.inp_tokens)
+            if cfg.input_embedding_scale != 1.0:
+                h = g.scale(h, cfg.input_embedding_scale)
+        else:
+            h = self.inp_embed
         for layer in range(cfg.n_layer):
             hn = G.norm(g, h, w.layer(layer, "input_layernorm.weight"), cfg.rms_eps)
             q = G.queries(g, w, layer, hn, self.pos_q)
@@ -197,6 +209,11 @@ class DraftKvCache:
         head = G.output_head(g, w, h, self.lm_head)
         self.hidden_states = self.gf.expand(head.hidden)
         self.logits = self.gf.expand(head.logits) if head.logits is not None else None
+        self.draft_ids = None
+        if self.logits is not None:
+            self.draft_ids = self.gf.expand(g.argmax(self.logits))
+            self.draft_ids.name = "draft_ids"
+            self.draft_ids.set_output()
 
         self.galloc = self._own(Gallocr(self.backend))
         self.galloc.alloc_graph(self.gf)
@@ -362,6 +379,8 @@ class DraftKvCache:
             raise RuntimeError("this DraftKvCache is being stepped from another thread; use one cache per thread")
         try:
             self._check_usable()
+            if self.inp_embed is None:
+                raise GGMLError("this cache takes token ids (it was built with embed_tokens): use step_tokens()")
             emb = np.asarray(noise_embed)
             if emb.shape != (self.q_len, self.cfg.hidden):
                 raise ValueError(f"noise_embed must have shape (q_len={self.q_len}, hidden={self.cfg.hidden}), got {emb.shape}")
@@ -378,12 +397,41 @@ class DraftKvCache:
             self._lock.release()
 
 
+    def step_tokens(self, ring: FeatureRing, committed: int, tokens: Any, output: str = "ids") -> np.ndarray:
+        """One draft step from token ids (needs embed_tokens): `output` "ids" (per-row argmax,
+        needs lm_head), "logits" or "hidden"."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("this DraftKvCache is being stepped from another thread; use one cache per thread")
+        try:
+            self._check_usable()
+            if self.inp_tokens is None:
+                raise GGMLError("this cache takes embeddings (built without embed_tokens): use step()")
+            if output not in ("ids", "logits", "hidden"):
+                raise ValueError(f"output must be 'ids', 'logits' or 'hidden', got {output!r}")
+            if output != "hidden" and self.logits is None:
+                raise GGMLError(f"output={output!r} needs the cache to be built with an lm_head")
+            ids = np.asarray(tokens)
+            if ids.shape != (self.q_len,) or ids.dtype.kind not in "iu":
+                raise ValueError(f"tokens must be {self.q_len} integer ids, got {ids.dtype} {ids.shape}")
+            vocab = self.embed_tokens.ne[1]  # type: ignore[union-attr]
+            if ids.min() < 0 or ids.max() >= vocab:
+                raise ValueError(f"token ids must be in [0, {vocab}), got range [{ids.min()}, {ids.max()}]")
+            self.begin_step(ring, committed)
+            self.inp_tokens.set(ids)
+            self.compute()
+            out = {"ids": self.draft_ids, "logits": self.logits, "hidden": self.hidden_states}[output]
+            return out.numpy()  # type: ignore[union-attr]
+        finally:
+            self._lock.release()
+
+
 # ---------------------------------------------------------------------- C-style drop-in API
 
 _STATE_FIELDS = (
     "cap", "q_len", "kv_total", "a_step", "trash_slot", "fc_in", "any_full", "any_swa",
     "mem_ctx", "mem_buf", "k_cache", "v_cache", "inp_embed", "pos_q", "noise_rows", "mask_full", "mask_swa",
     "ap_feat", "ap_pos", "ap_rows", "g_ctx", "gf", "galloc", "hidden_states", "logits", "next_pos", "slot_pos",
+    "inp_tokens", "draft_ids",
 )
 
 

@@ -86,6 +86,19 @@ class FeatureRing:
         self.written = pos + n
         self.oldest = max(self.oldest, self.written - self.cap) if skipped == 0 else self.written - self.cap
 
+    def truncate(self, pos: int) -> None:
+        """Forget positions >= pos (after verification rejected them)."""
+        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)):
+            raise TypeError(f"pos must be an int, got {type(pos).__name__}")
+        if not self.oldest <= pos <= self.written:
+            raise ValueError(f"cannot truncate to {pos}: readable positions are [{self.oldest}, {self.written})")
+        self.written = int(pos)
+
+    def clear(self) -> None:
+        """Forget everything (a new request)."""
+        self.written = 0
+        self.oldest = 0
+
     def read(self, start: int, n: int) -> np.ndarray:
         """Positions [start, start+n) as float32 (n, fc_in); refuses overwritten or unwritten ones."""
         out = np.empty((max(int(n), 0), self.fc_in), dtype=np.float32)

@@ -20,6 +20,8 @@ answer with an abort is checked here first and raises a Python exception instead
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import os
 import threading
@@ -507,9 +509,12 @@ class Tensor:
 
     # -- data
     def _check_io(self) -> None:
-        if not self.is_allocated:
-            raise GGMLError(f"tensor {self.name!r} has no data yet: allocate its context's tensors in a Buffer (or the graph with a Gallocr) first")
-        if _addr(self.ptr.buffer) not in _live_buffers:
+        p = self.ptr
+        base = p.view_src if p.view_src != ffi.NULL else None
+        if not self.is_allocated or (base is not None and (base.data == ffi.NULL or base.buffer == ffi.NULL)):
+            raise GGMLError(f"tensor {self.name!r} has no data: allocate its context's tensors in a Buffer (or the graph "
+                            "with a Gallocr) first; data is dropped when that Buffer / Gallocr is closed or reallocated")
+        if _addr(p.buffer) not in _live_buffers:
             raise GGMLError(f"tensor {self.name!r} lives in a buffer that was closed")
         if not self.is_contiguous:
             raise GGMLError(f"tensor {self.name!r} is a non-contiguous view; copy it with ggml_cont first")
@@ -614,13 +619,24 @@ def dequantize(type_name: str, raw: np.ndarray, n: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- buffers + allocation
 
 
-# addresses of every ggml backend buffer we own that is still alive (Buffers and Gallocr buffers):
-# tensors whose buffer is not in here must not be read, written or computed
-_live_buffers: set[int] = set()
+# every ggml backend buffer we own that is still alive (Buffers and Gallocr buffers): address -> a
+# token unique to that allocation. malloc reuses the address of a freed buffer for the next one, so
+# a graph remembers (address, token) pairs, and tensors placed in a freed buffer are detached
+# (data = buffer = NULL) where we can reach them: nothing may read, write or compute freed memory.
+_live_buffers: dict[int, int] = {}
+_tokens = itertools.count(1)
 
 
 def _addr(ptr: Any) -> int:
     return int(ffi.cast("uintptr_t", ptr))
+
+
+def _detach(ptrs: Iterator[Any], addrs: "set[int] | None") -> None:
+    """Forget the data of tensors placed in the freed buffers `addrs` (None: in any non-live buffer)."""
+    for p in ptrs:
+        if p.buffer != ffi.NULL and (_addr(p.buffer) in addrs if addrs is not None else _addr(p.buffer) not in _live_buffers):
+            p.buffer = ffi.NULL
+            p.data = ffi.NULL
 
 
 class Buffer(_Owned):
@@ -629,14 +645,18 @@ class Buffer(_Owned):
     def __init__(self, handle: Any, backend: Backend | None, ctx: Context | None = None) -> None:
         if handle == ffi.NULL:
             raise GGMLError("backend buffer allocation failed (out of memory?)")
-        self._own(handle, Buffer._free_handle, "buffer")
-        _live_buffers.add(_addr(handle))
+        ctx_ref = weakref.ref(ctx) if ctx is not None else None
+        self._own(handle, functools.partial(Buffer._free_handle, ctx_ref=ctx_ref), "buffer")
+        _live_buffers[_addr(handle)] = next(_tokens)
         self.backend = backend
         self.ctx = ctx  # keep the tensors' metadata alive as long as their data
 
     @staticmethod
-    def _free_handle(handle: Any) -> None:
-        _live_buffers.discard(_addr(handle))
+    def _free_handle(handle: Any, ctx_ref: Any = None) -> None:
+        ctx = ctx_ref() if ctx_ref is not None else None
+        if ctx is not None and not ctx.closed:  # its tensors must not point at freed memory
+            _detach((t.ptr for t in ctx.tensors()), {_addr(handle)})
+        _live_buffers.pop(_addr(handle), None)
         lib.ggml_backend_buffer_free(handle)
 
     @classmethod
@@ -687,14 +707,24 @@ class Gallocr(_Owned):
         if handle == ffi.NULL:
             raise GGMLError("ggml_gallocr_new failed")
         self._buffers: set[int] = set()  # ggml buffers this allocator owns (shared with the finalizer)
-        self._own(handle, lambda h, bufs=self._buffers: Gallocr._free_handle(h, bufs), "gallocr")
+        self._graphs: "weakref.WeakSet[Graph]" = weakref.WeakSet()  # graphs placed in them
+        self._own(handle, functools.partial(Gallocr._free_handle, buffers=self._buffers, graphs=self._graphs), "gallocr")
         self.backend = backend
         self.n_allocs = 0
 
     @staticmethod
-    def _free_handle(handle: Any, buffers: set[int]) -> None:
-        _live_buffers.difference_update(buffers)
+    def _release(buffers: set[int], graphs: Any, keep: "Graph | None" = None) -> None:
+        """ggml freed `buffers`: detach the tensors every graph (but `keep`) had placed in them."""
+        for g in list(graphs):
+            if g is not keep:
+                g._detach(buffers)
+        for a in buffers:
+            _live_buffers.pop(a, None)
         buffers.clear()
+
+    @staticmethod
+    def _free_handle(handle: Any, buffers: set[int], graphs: Any) -> None:
+        Gallocr._release(buffers, graphs)
         lib.ggml_gallocr_free(handle)
 
     @property
@@ -704,22 +734,43 @@ class Gallocr(_Owned):
 
     def reserve(self, graph: "Graph") -> None:
         """Size the buffer for `graph` (and graphs no larger) without assigning addresses."""
-        if not lib.ggml_gallocr_reserve(self.handle, graph.handle):
+        graph._check_nonempty()
+        before = self.buffer_size
+        ok = lib.ggml_gallocr_reserve(self.handle, graph.handle)
+        if self.buffer_size != before:  # ggml freed the old buffer (and maybe made a bigger one)
+            Gallocr._release(self._buffers, self._graphs)
+        if not ok:
             raise GGMLError("ggml_gallocr_reserve failed (out of memory?)")
 
     def alloc_graph(self, graph: "Graph") -> None:
         """Assign every intermediate tensor of `graph` an address in this allocator's buffer."""
         graph._check_nonempty()
-        if not lib.ggml_gallocr_alloc_graph(self.handle, graph.handle):
+        handle = self.handle
+        for _ in range(2):
+            before = self.buffer_size
+            placed_before = graph._uses(self._buffers)
+            ok = lib.ggml_gallocr_alloc_graph(handle, graph.handle)
+            if self.buffer_size == before:
+                break
+            # ggml freed the old buffer: every tensor it held is gone, in other graphs and in this one
+            Gallocr._release(self._buffers, self._graphs, keep=graph)
+            if not (ok and placed_before):
+                break
+            graph._detach(None)  # part of this graph sat in the freed buffer: place all of it again
+        if not ok:
             raise GGMLError("ggml_gallocr_alloc_graph failed (out of memory?)")
         self.n_allocs += 1
-        # ggml may have (re)allocated its buffer: record where this graph's tensors now live
-        own = {_addr(t.ptr.buffer) for t in graph.nodes() if t.ptr.buffer != ffi.NULL} - (_live_buffers - self._buffers)
-        _live_buffers.difference_update(self._buffers)
-        self._buffers.clear()
+        # record where this graph's tensors now live (a new allocation gets a new token)
+        own = {a for a, _ in graph._placements()} - (_live_buffers.keys() - self._buffers)
+        for a in own - self._buffers:
+            _live_buffers[a] = next(_tokens)
         self._buffers.update(own)
-        _live_buffers.update(own)
+        self._graphs.add(graph)
         graph._deps = None
+        try:  # remember the allocations the graph uses now, so a later free + address reuse is caught
+            graph._deps = graph._collect_buffers()
+        except GGMLError:
+            pass  # a tensor still has no data: compute() will say so
 
     @property
     def buffer_size(self) -> int:
@@ -793,27 +844,48 @@ class Graph:
         if self.n_nodes == 0:
             raise GGMLError("graph is empty: expand() an output tensor first")
 
-    def _collect_buffers(self) -> set[int]:
-        """Every buffer the graph touches; raises if a tensor has no data (ggml would crash)."""
+    def _tensor_ptrs(self) -> Iterator[Any]:
+        """Every node, its sources and the tensors views look into (with repeats)."""
+        for i in range(self.n_nodes):
+            node = lib.ggml_graph_node(self.handle, i)
+            for p in (node, node.view_src, *(node.src[j] for j in range(10))):
+                if p != ffi.NULL:
+                    yield p
+
+    def _placements(self) -> Iterator[tuple[int, Any]]:
+        for p in self._tensor_ptrs():
+            if p.buffer != ffi.NULL:
+                yield _addr(p.buffer), p
+
+    def _uses(self, addrs: set[int]) -> bool:
+        return any(a in addrs for a, _ in self._placements())
+
+    def _detach(self, addrs: "set[int] | None") -> None:
+        """Drop the data of this graph's tensors placed in the freed buffers `addrs` (None: any dead buffer)."""
+        self._deps = None
+        if not self.ctx.closed:
+            _detach(self._tensor_ptrs(), addrs)
+
+    def _collect_buffers(self) -> frozenset[tuple[int, int | None]]:
+        """(address, token) of every buffer the graph touches; raises if a tensor has no data (ggml would crash)."""
         self._check_nonempty()
-        deps: set[int] = set()
-        for node in self.nodes():
-            tensors = [node.ptr] + [node.ptr.src[i] for i in range(10) if node.ptr.src[i] != ffi.NULL]
-            for p in tensors:
-                if p.data == ffi.NULL or p.buffer == ffi.NULL:
-                    name = ffi.string(lib.ggml_get_name(p)).decode()
-                    raise GGMLError(f"graph tensor {name!r} has no data: allocate the graph with a Gallocr "
-                                    "and its inputs/weights in a Buffer before computing")
-                deps.add(_addr(p.buffer))
-        return deps
+        deps: set[tuple[int, int | None]] = set()
+        for p in self._tensor_ptrs():
+            if p.data == ffi.NULL or p.buffer == ffi.NULL:
+                name = ffi.string(lib.ggml_get_name(p)).decode()
+                raise GGMLError(f"graph tensor {name!r} has no data: allocate the graph with a Gallocr "
+                                "and its inputs/weights in a Buffer before computing (closing or reallocating "
+                                "those drops the data)")
+            deps.add((_addr(p.buffer), _live_buffers.get(_addr(p.buffer))))
+        return frozenset(deps)
 
     def compute(self, backend: Backend) -> None:
         """ggml_backend_graph_compute, releasing the GIL. Every tensor must be allocated."""
         self.ctx._check_open()
         if self._deps is None:
             self._deps = self._collect_buffers()
-        if not self._deps <= _live_buffers:
-            raise GGMLError("the graph uses a backend buffer that has been closed")
+        if any(token is None or _live_buffers.get(a) != token for a, token in self._deps):
+            raise GGMLError("the graph uses a backend buffer that has been closed (or reallocated by its Gallocr)")
         handle = backend.handle
         with backend.lock:
             status = lib.ggml_backend_graph_compute(handle, self.handle)

@@ -18,6 +18,12 @@ _I32 = lib.GGML_TYPE_I32
 _I64 = lib.GGML_TYPE_I64
 _F32 = lib.GGML_TYPE_F32
 _F16 = lib.GGML_TYPE_F16
+_BF16 = lib.GGML_TYPE_BF16
+_FLOAT = (_F32, _F16, _BF16)
+_QUANT = (lib.GGML_TYPE_Q8_0, lib.GGML_TYPE_Q4_0)
+# (a, b) type pairs ggml's CPU add/sub/mul kernels implement (the result has a's type)
+_BINARY_TYPES = {(_F32, _F32), (_F16, _F16), (_BF16, _BF16), (_F16, _F32), (_BF16, _F32)}
+_ROPE_MODES = (0, lib.GGML_ROPE_TYPE_NEOX)  # ggml_rope_ext: normal or NEOX (M-RoPE/vision need ggml_rope_multi)
 
 
 def _ne(t: "Tensor") -> tuple[int, int, int, int]:
@@ -44,6 +50,33 @@ def _is_transposed(t: "Tensor") -> bool:
     return nb[0] > nb[1]
 
 
+def _rows_contiguous(t: "Tensor") -> bool:
+    """ggml_is_contiguous_rows: the elements of a row are packed (ne0 is not strided)."""
+    return t.ne[0] == lib.ggml_blck_size(t.type_id) or t.nb[0] == lib.ggml_type_size(t.type_id)
+
+
+def _check_type(op: str, t: "Tensor", allowed: tuple[int, ...], what: str = "input") -> None:
+    if t.type_id not in allowed:
+        names = "/".join(ffi.string(lib.ggml_type_name(x)).decode() for x in allowed)
+        _fail(op, f"{what} must be {names}, got {t.type}")
+
+
+def _check_convert(op: str, src: "Tensor", dst_type: int, dst_contiguous: bool, dst_nb0: int) -> None:
+    """The type conversions ggml's CPU copy kernel implements (anything else aborts at compute)."""
+    st = src.type_id
+    if st == dst_type or (st in _FLOAT and dst_type in _FLOAT) or (st, dst_type) in ((_F32, _I32), (_I32, _F32)):
+        return
+    if st in _FLOAT and dst_type in _QUANT:
+        if src.nb[0] != lib.ggml_type_size(st) or not dst_contiguous:
+            _fail(op, "quantizing needs a source with packed rows and a contiguous destination")
+        return
+    if st in _QUANT and dst_type == _F32:
+        if dst_nb0 != 4:
+            _fail(op, "dequantizing needs a destination with packed rows")
+        return
+    _fail(op, f"cannot convert {src.type} to {ffi.string(lib.ggml_type_name(dst_type)).decode()}")
+
+
 class OpsMixin:
     """Graph-building ops; mixed into Context."""
 
@@ -51,11 +84,14 @@ class OpsMixin:
     def _reserve(self, data_bytes: int = 0) -> None: ...  # pragma: no cover
     def _wrap(self, ptr: Any) -> "Tensor": ...  # pragma: no cover
     handle: Any
+    _src_ctxs: set[Any]
 
     def _same_ctx(self, op: str, *tensors: "Tensor | None") -> None:
         for t in tensors:
             if t is not None:
                 t._live_ptr()
+                if t.ctx is not self:  # ops point into t's context: a graph must not outlive it
+                    self._src_ctxs |= {t.ctx, *t.ctx._src_ctxs}
 
     # -- layout ------------------------------------------------------------------------------
     def view(self, a: "Tensor", ne: tuple[int, ...], nb: tuple[int, ...] = (), offset: int = 0) -> "Tensor":
@@ -69,10 +105,17 @@ class OpsMixin:
             _fail("view", f"expected {n - 1} strides for a {n}-d view, got {len(strides)}")
         if offset < 0:
             _fail("view", f"negative offset {offset}")
+        if ne[0] % lib.ggml_blck_size(a.type_id):
+            _fail("view", f"ne0={ne[0]} is not a multiple of the {a.type} block size")
         row = int(lib.ggml_row_size(a.type_id, ne[0]))
         end = offset + row + sum((int(d) - 1) * int(s) for d, s in zip(ne[1:], strides))
         if end > a.nbytes:
             _fail("view", f"view ends at byte {end}, beyond the {a.nbytes} bytes of {a.name!r}")
+        # ggml also asserts that ne's packed size fits from the view's offset in the base tensor
+        base = a.ptr.view_src if a.ptr.view_src != ffi.NULL else a.ptr
+        base_offset = offset + (int(a.ptr.view_offs) if a.ptr.view_src != ffi.NULL else 0)
+        if base_offset + row * math.prod(int(d) for d in ne[1:]) > lib.ggml_nbytes(base):
+            _fail("view", f"ne={tuple(ne)} holds more bytes than {a.name!r} has from offset {offset} (overlapping strides?)")
         self._reserve()
         if n == 1:
             ptr = lib.ggml_view_1d(self.handle, a.ptr, ne[0], offset)
@@ -106,7 +149,8 @@ class OpsMixin:
             _fail("permute", f"axes must be a permutation of 0..3, got {(axis0, axis1, axis2, axis3)}")
         self._reserve()
         out = self._wrap(lib.ggml_permute(self.handle, a.ptr, axis0, axis1, axis2, axis3))
-        out._ndim = max(a.ndim, axis0 + 1, axis1 + 1, axis2 + 1, axis3 + 1) if a.ndim > 1 else 4
+        # source dim i moves to dim axis_i: the result spans the destinations of a's dims
+        out._ndim = max((axis0, axis1, axis2, axis3)[i] + 1 for i in range(a.ndim))
         return out
 
     def cont(self, a: "Tensor") -> "Tensor":
@@ -134,6 +178,7 @@ class OpsMixin:
         self._same_ctx("cpy", a, b)
         if a.nelements != b.nelements:
             _fail("cpy", f"element counts differ: {a.nelements} vs {b.nelements}")
+        _check_convert("cpy", a, b.type_id, b.is_contiguous, b.nb[0])
         self._reserve()
         return self._wrap(lib.ggml_cpy(self.handle, a.ptr, b.ptr))
 
@@ -144,6 +189,7 @@ class OpsMixin:
         t = ggml_type(type)
         if a.ne[0] % lib.ggml_blck_size(t):
             _fail("cast", f"ne0={a.ne[0]} is not a multiple of the {type} block size")
+        _check_convert("cast", a, t, True, int(lib.ggml_type_size(t)))
         self._reserve()
         out = self._wrap(lib.ggml_cast(self.handle, a.ptr, t))
         out._ndim = a.ndim
@@ -154,6 +200,10 @@ class OpsMixin:
         self._same_ctx(op, a, b)
         if not _can_repeat(b, a):
             _fail(op, f"b {b.ne} does not broadcast to a {a.ne}")
+        if (a.type_id, b.type_id) not in _BINARY_TYPES:
+            _fail(op, f"unsupported types a={a.type}, b={b.type} (f32/f16/bf16 alike, or f16/bf16 with f32)")
+        if a.nb[0] != lib.ggml_type_size(a.type_id):
+            _fail(op, f"a {a.name!r} must have packed rows (not transposed)")
         self._reserve()
         out = self._wrap(fn(self.handle, a.ptr, b.ptr))
         out._ndim = a.ndim
@@ -168,15 +218,18 @@ class OpsMixin:
     def mul(self, a: "Tensor", b: "Tensor") -> "Tensor":
         return self._binary("mul", lib.ggml_mul, a, b)
 
-    def _unary(self, op: str, fn: Any, a: "Tensor", *args: Any) -> "Tensor":
+    def _unary(self, op: str, fn: Any, a: "Tensor", *args: Any, types: tuple[int, ...] = _FLOAT) -> "Tensor":
         self._same_ctx(op, a)
+        _check_type(op, a, types)
+        if not _rows_contiguous(a):
+            _fail(op, f"{a.name!r} must have packed rows (not transposed)")
         self._reserve()
         out = self._wrap(fn(self.handle, a.ptr, *args))
         out._ndim = a.ndim
         return out
 
     def silu(self, a: "Tensor") -> "Tensor":
-        return self._unary("silu", lib.ggml_silu, a)
+        return self._unary("silu", lib.ggml_silu, a, types=(_F32, _F16))
 
     def tanh(self, a: "Tensor") -> "Tensor":
         return self._unary("tanh", lib.ggml_tanh, a)
@@ -185,18 +238,22 @@ class OpsMixin:
         return self._unary("softplus", lib.ggml_softplus, a)
 
     def scale(self, a: "Tensor", s: float) -> "Tensor":
-        return self._unary("scale", lib.ggml_scale, a, _finite("scale", "s", s))
+        ne, nb = a.ne, a.nb
+        if nb[2] != nb[1] * ne[1] or nb[3] != nb[2] * ne[2]:  # ggml_is_padded_1d
+            _fail("scale", f"{a.name!r} must be contiguous beyond its rows (ggml_cont a permuted tensor first)")
+        return self._unary("scale", lib.ggml_scale, a, _finite("scale", "s", s), types=(_F32,))
 
     def rms_norm(self, a: "Tensor", eps: float) -> "Tensor":
         eps = _finite("rms_norm", "eps", eps)
         if eps < 0:
             _fail("rms_norm", f"eps must be >= 0, got {eps}")
-        return self._unary("rms_norm", lib.ggml_rms_norm, a, eps)
+        return self._unary("rms_norm", lib.ggml_rms_norm, a, eps, types=(_F32,))
 
     def argmax(self, a: "Tensor") -> "Tensor":
         self._same_ctx("argmax", a)
         if a.ne[2] != 1 or a.ne[3] != 1:
             _fail("argmax", f"needs a matrix, got ne={a.ne}")
+        _check_type("argmax", a, (_F32,))
         self._reserve()
         out = self._wrap(lib.ggml_argmax(self.handle, a.ptr))
         out._ndim = 1
@@ -210,6 +267,11 @@ class OpsMixin:
             _fail("mul_mat", f"cannot multiply a {ea} by b {eb} (need a.ne0 == b.ne0 and b.ne2/ne3 multiples of a's)")
         if _is_transposed(a):
             _fail("mul_mat", "a must not be transposed")
+        _check_type("mul_mat", a, _FLOAT + _QUANT, "a")
+        if not (b.type_id == _F32 or (b.type_id == a.type_id and a.type_id in (_F16, _BF16))):
+            _fail("mul_mat", f"b must be f32 (or a's type for f16/bf16 a), got {b.type} with a {a.type}")
+        if a.nb[0] != lib.ggml_type_size(a.type_id) or b.nb[0] != lib.ggml_type_size(b.type_id):
+            _fail("mul_mat", "a and b must have packed rows (ggml_cont a transposed b first)")
         self._reserve()
         out = self._wrap(lib.ggml_mul_mat(self.handle, a.ptr, b.ptr))
         if prec_f32:
@@ -219,11 +281,18 @@ class OpsMixin:
 
     def soft_max_ext(self, a: "Tensor", mask: "Tensor | None", scale: float, max_bias: float = 0.0) -> "Tensor":
         self._same_ctx("soft_max_ext", a, mask)
+        _check_type("soft_max_ext", a, (_F32,))
+        if not a.is_contiguous:
+            _fail("soft_max_ext", f"{a.name!r} must be contiguous")
         if mask is not None:
             if mask.type_id not in (_F16, _F32):
                 _fail("soft_max_ext", "mask must be f16 or f32")
-            if mask.ne[0] != a.ne[0] or mask.ne[1] < a.ne[1]:
+            if not mask.is_contiguous:
+                _fail("soft_max_ext", "mask must be contiguous")
+            if mask.ne[0] != a.ne[0] or mask.ne[1] < a.ne[1] or a.ne[2] % mask.ne[2] or a.ne[3] % mask.ne[3]:
                 _fail("soft_max_ext", f"mask {mask.ne} does not cover scores {a.ne}")
+        elif max_bias > 0:
+            _fail("soft_max_ext", "max_bias needs a mask")
         self._reserve()
         out = self._wrap(lib.ggml_soft_max_ext(self.handle, a.ptr, mask.ptr if mask is not None else ffi.NULL,
                                                _finite("soft_max_ext", "scale", scale), _finite("soft_max_ext", "max_bias", max_bias)))
@@ -240,8 +309,9 @@ class OpsMixin:
             _fail("rope_ext", f"positions must be i32, got {pos.type}")
         if pos.ne[1:] != (1, 1, 1) or pos.ne[0] != a.ne[2]:
             _fail("rope_ext", f"positions {pos.ne} must be a vector of a.ne2={a.ne[2]} entries")
-        if mode & 1:
-            _fail("rope_ext", "mode & 1 is not supported by ggml")
+        if mode not in _ROPE_MODES:
+            _fail("rope_ext", f"mode must be 0 (normal) or {lib.GGML_ROPE_TYPE_NEOX} (NEOX), got {mode}")
+        _check_type("rope_ext", a, (_F32, _F16))
         if n_dims <= 0 or n_dims % 2 or n_dims > a.ne[0]:
             _fail("rope_ext", f"n_dims must be even and in (0, ne0={a.ne[0]}], got {n_dims}")
         if freq_factors is not None and (freq_factors.type_id != _F32 or freq_factors.ne[0] < n_dims // 2):
@@ -303,6 +373,8 @@ class OpsMixin:
             _fail("set_rows", f"destination {ea} and source {eb} rows differ")
         if eb[1] != ec[0] or eb[2] % ec[1] or eb[3] % ec[2] or ec[3] != 1:
             _fail("set_rows", f"{eb[1]} source rows but index tensor {ec}")
+        if not (_rows_contiguous(a) and _rows_contiguous(b)):
+            _fail("set_rows", "destination and source must have packed rows")
         self._reserve()
         out = self._wrap(lib.ggml_set_rows(self.handle, a.ptr, b.ptr, rows.ptr))
         out._ndim = a.ndim
@@ -313,6 +385,7 @@ class OpsMixin:
         self._same_ctx("get_rows", a, rows)
         if rows.type_id != _I32:
             _fail("get_rows", f"row indices must be i32, got {rows.type}")
+        _check_type("get_rows", a, _FLOAT + _QUANT + (_I32,), "data")
         if a.ne[2] != rows.ne[1] or a.ne[3] != rows.ne[2] or rows.ne[3] != 1:
             _fail("get_rows", f"indices {rows.ne} do not match data {a.ne}")
         self._reserve()

@@ -1,0 +1,171 @@
+"""Drafter: what a llama.cpp-style Python host needs to draft with a DFlash model.
+
+It owns the drafter weights on the backend, a FeatureRing of the target's captured features, the
+ring cache (whose step graph also looks up the noise block's token embeddings and takes the
+argmax), and the target's token embedding + lm_head.
+
+    drafter = Drafter(weights, embed_tokens=target_embed, lm_head=target_head, cap=4096)
+    drafter.add_features(prompt_features)         # (n_prompt, fc_in)
+    draft = drafter.propose(last_token)           # block_size - 1 token ids, one graph compute
+    ... verify with the target, accept k tokens + a bonus ...
+    drafter.rewind(n_before + k)                  # drop what verification rejected
+    drafter.add_features(features_of_accepted)    # and continue
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from .backend_weights import BackendWeights
+from .draft_kv import DraftKvCache
+from .features import FeatureRing
+from .ggml import Backend
+from .weights import DraftWeights
+
+log = logging.getLogger(__name__)
+
+
+def sampling_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Row-wise draft distribution: softmax(logits / temperature) restricted to top-k, then top-p."""
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    vocab = z.shape[1]
+    if 0 < top_k < vocab:
+        kth = np.partition(z, vocab - top_k, axis=1)[:, vocab - top_k][:, None]
+        z = np.where(z < kth, -np.inf, z)
+    z -= z.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-p, axis=1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        keep_sorted = (np.cumsum(sorted_p, axis=1) - sorted_p) < top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(axis=1, keepdims=True)
+    return p
+
+
+def sample_rows(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One categorical draw per row of p."""
+    u = rng.random(p.shape[0])[:, None]
+    ids = (np.cumsum(p, axis=1) < u).sum(axis=1)
+    return np.minimum(ids, p.shape[1] - 1).astype(np.int64)
+
+
+class Drafter:
+    """A DFlash drafter for a host: features in, block_size-1 draft tokens out."""
+
+    def __init__(
+        self,
+        weights: DraftWeights | BackendWeights,
+        *,
+        embed_tokens: np.ndarray,
+        lm_head: np.ndarray,
+        backend: Backend | None = None,
+        cap: int = 4096,
+        ring_cap: int | None = None,
+        weight_dtype: str = "f16",
+        cache_type: str = "f16",
+        swa: str = "seed",
+        ring_dtype: str = "f32",
+    ) -> None:
+        self._owns_backend = backend is None
+        self.backend = backend or Backend("cpu")
+        try:
+            if isinstance(weights, DraftWeights):
+                self.weights = weights.to_backend(self.backend, weight_dtype)
+                self._owns_weights = True
+            elif isinstance(weights, BackendWeights):
+                self.weights = weights
+                self._owns_weights = False
+            else:
+                raise TypeError(f"weights must be DraftWeights or BackendWeights, got {type(weights).__name__}")
+            self.cfg = self.weights.cfg
+            embed = np.asarray(embed_tokens)
+            head = np.asarray(lm_head)
+            if embed.ndim != 2 or head.ndim != 2 or embed.shape[1] != self.cfg.hidden or head.shape[1] != self.cfg.hidden:
+                raise ValueError(f"embed_tokens and lm_head must be (vocab, hidden={self.cfg.hidden}), "
+                                 f"got {embed.shape} and {head.shape}")
+            if embed.shape[0] != head.shape[0]:
+                raise ValueError(f"embed_tokens has {embed.shape[0]} rows but lm_head has {head.shape[0]}")
+            self.vocab = int(head.shape[0])
+            self.embed_tokens, self.lm_head = embed, head  # host copies (e.g. for noise_embed())
+            if not 0 <= self.cfg.mask_token_id < self.vocab:
+                raise ValueError(f"mask_token_id {self.cfg.mask_token_id} is outside the target's vocab of {self.vocab}")
+            self.q_len = self.cfg.block_size
+            self.ring = FeatureRing(ring_cap or cap + 2 * self.q_len, self.cfg.fc_in, ring_dtype)
+            self.cache = DraftKvCache(self.weights, self.backend, cap, lm_head=head, cache_type=cache_type,
+                                      swa=swa, embed_tokens=embed)
+        except BaseException:
+            self.close()
+            raise
+        self._tokens = np.full(self.q_len, self.cfg.mask_token_id, dtype=np.int32)
+
+    @property
+    def committed(self) -> int:
+        """Number of tokens whose target features the drafter has."""
+        return self.ring.written
+
+    def add_features(self, rows: Any) -> None:
+        """Captured target features `(n, fc_in)` of the next n committed tokens."""
+        self.ring.append(rows)
+
+    def rewind(self, n_committed: int) -> None:
+        """Keep only the first n_committed tokens' features (verification rejected the rest)."""
+        self.ring.truncate(n_committed)
+
+    def reset(self) -> None:
+        """Start a new request."""
+        self.ring.clear()
+        self.cache.reset()
+
+    def noise_embed(self, last_token: int) -> np.ndarray:
+        """The noise block's embeddings (q_len, hidden): [last_token, mask, mask, ...], scaled.
+        (What propose() looks up inside the graph; for graphs that take embeddings.)"""
+        ids = self._tokens.copy()
+        ids[0] = last_token
+        return self.embed_tokens[ids].astype(np.float32) * np.float32(self.cfg.input_embedding_scale)
+
+    def propose(self, last_token: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                rng: np.random.Generator | None = None) -> Any:
+        """Draft block_size-1 tokens after `last_token` (the last accepted token) in one graph compute.
+
+        Greedy (temperature 0): returns the token ids. Sampling: returns `(ids, probs)` where
+        probs[i] is the distribution draft token i was drawn from, for the host's rejection sampling.
+        """
+        if self.committed <= 0:
+            raise ValueError("propose() needs the features of at least one committed token (add_features first)")
+        if isinstance(last_token, bool) or not isinstance(last_token, (int, np.integer)) or not 0 <= last_token < self.vocab:
+            raise ValueError(f"last_token must be a token id in [0, {self.vocab}), got {last_token!r}")
+        if temperature < 0 or not np.isfinite(temperature):
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        self._tokens[0] = last_token
+        if temperature == 0:
+            return self.cache.step_tokens(self.ring, self.committed, self._tokens, output="ids")[1:].astype(np.int64)
+        logits = self.cache.step_tokens(self.ring, self.committed, self._tokens, output="logits")[1:]
+        probs = sampling_probs(logits, temperature, top_k, top_p)
+        return sample_rows(probs, rng or np.random.default_rng()), probs
+
+    def close(self) -> None:
+        """Free everything this drafter created. Idempotent."""
+        if getattr(self, "cache", None) is not None:
+            self.cache.close()
+        if getattr(self, "_owns_weights", False):
+            self.weights.close()
+        if self._owns_backend and getattr(self, "backend", None) is not None:
+            self.backend.close()
+
+    def __enter__(self) -> "Drafter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
