@@ -248,3 +248,32 @@ def test_dflash_loads_our_checkpoint(tmp_path, parity_log, dtype):
     for name, arr in w.items():
         np.testing.assert_array_equal(state[name].numpy(), arr, err_msg=name)
     compare(model, w, committed=400, ctx_len=30, parity_log=parity_log, case=f"ours->dflash {dtype}")
+
+
+@pytest.mark.parametrize("case", ["full", "sliding5+full", "yarn4"])
+def test_ring_cache_matches_dflash_cached_generation(tmp_path, cpu, parity_log, case):
+    """Our DraftKvCache (f32 weights + cache, swa="per_row") on a dflash checkpoint vs dflash's own
+    cached generation, step by step, while the window stays within cap (dflash's cache is unbounded)."""
+    from pyggml_dkv import DraftKvCache, FeatureRing
+
+    if not (hasattr(dflash_model, "_make_cache") and hasattr(dflash_model, "_crop_to")):
+        pytest.skip("this dflash version has no _make_cache/_crop_to (dflash_generate's cache helpers)")
+    model = random_dflash(qwen3_config(**CASES[case]))
+    model.save_pretrained(tmp_path)
+    w = DraftWeights.from_pretrained(tmp_path)
+    cache_t = dflash_model._make_cache(model.config)
+    rng = np.random.default_rng(11)
+    all_feats = rng.standard_normal((120, len(TARGET_IDS) * HIDDEN)).astype(np.float32)
+    ring = FeatureRing(128, w.cfg.fc_in)
+    committed = 0
+    with w.to_backend(cpu, "f32") as bw, DraftKvCache(bw, cpu, 100, cache_type="f32", swa="per_row") as cache:
+        for step, n_new in enumerate([17, 3, 1, 8, 5, 30, 2, 20]):
+            start, committed = committed, committed + n_new
+            ring.append(all_feats[start:committed])
+            noise = rng.standard_normal((BLOCK, HIDDEN)).astype(np.float32)
+            want = dflash_forward(model, all_feats[start:committed], noise, committed, cache=cache_t)
+            dflash_model._crop_to(cache_t, committed)
+            got = cache.step(ring, committed, noise)
+            err = rel_err(got, want)
+            parity_log("ring cache vs dflash torch", "f32 vs f32", err, f"{case} step {step} c={committed}")
+            assert err <= TOL, f"step {step}: {err:.3e}"
