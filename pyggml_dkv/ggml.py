@@ -215,6 +215,8 @@ class Backend(_Owned):
         if self.kind == "cpu":
             if self.spec != "cpu":
                 raise ValueError(f"CPU backend spec is just 'cpu', got {spec!r}")
+            if n_threads is not None:
+                Backend._check_n_threads(n_threads)  # before a handle exists to leak
             handle = lib.ggml_backend_cpu_init()
             if handle == ffi.NULL:
                 raise GGMLError("ggml_backend_cpu_init failed")
@@ -251,6 +253,11 @@ class Backend(_Owned):
             raise ValueError(f"unknown backend {spec!r}; expected 'cpu', 'cuda', 'cuda:N' or 'rpc:HOST:PORT'")
 
     @staticmethod
+    def _check_n_threads(n_threads: object) -> None:
+        if isinstance(n_threads, bool) or not isinstance(n_threads, int) or not 1 <= n_threads <= 512:
+            raise ValueError(f"n_threads must be an int in [1, 512], got {n_threads!r}")
+
+    @staticmethod
     def _parse_index(spec: str) -> int:
         parts = spec.split(":")
         if len(parts) == 1:
@@ -275,8 +282,7 @@ class Backend(_Owned):
     def set_n_threads(self, n_threads: int) -> None:
         if not self.is_cpu:
             raise GGMLError(f"thread count applies to the CPU backend only, not {self.spec}")
-        if isinstance(n_threads, bool) or not isinstance(n_threads, int) or not 1 <= n_threads <= 512:
-            raise ValueError(f"n_threads must be an int in [1, 512], got {n_threads!r}")
+        Backend._check_n_threads(n_threads)
         lib.ggml_backend_cpu_set_n_threads(self.handle, n_threads)
         self.n_threads = n_threads
 
@@ -347,6 +353,7 @@ class Context(OpsMixin, _Owned):
         self._own(handle, lib.ggml_free, "context")
         self.mem_size = int(lib.ggml_get_mem_size(handle))
         self.no_alloc = bool(no_alloc)
+        self._src_ctxs: set[Context] = set()  # other contexts whose tensors this one's ops point at
 
     @property
     def handle(self) -> Any:
@@ -357,8 +364,12 @@ class Context(OpsMixin, _Owned):
     def used_mem(self) -> int:
         return int(lib.ggml_used_mem(self.handle))
 
-    def _reserve(self, data_bytes: int = 0) -> None:
-        """Raise instead of letting ggml abort when the next object does not fit."""
+    def _reserve(self, data_bytes: int | None = 0) -> None:
+        """Raise instead of letting ggml abort when the next object does not fit (None: an op result of unknown size)."""
+        if data_bytes is None:
+            if not self.no_alloc:
+                raise GGMLError("ops that make new data need a no_alloc Context (their results are placed by a Gallocr)")
+            data_bytes = 0
         need = lib.ggml_tensor_overhead() + (0 if self.no_alloc else ((data_bytes + 15) // 16) * 16)
         if self.used_mem + need > self.mem_size:
             raise GGMLError(
@@ -767,6 +778,7 @@ class Gallocr(_Owned):
         self._buffers.update(own)
         self._graphs.add(graph)
         graph._deps = None
+        graph._allocator = self  # the graph's intermediates live in our buffer: keep it alive
         try:  # remember the allocations the graph uses now, so a later free + address reuse is caught
             graph._deps = graph._collect_buffers()
         except GGMLError:
@@ -790,12 +802,13 @@ class Graph:
         if ctx.used_mem + need > ctx.mem_size:
             raise GGMLError(f"context too small for a graph of size {size}: needs {need} more bytes; create it with graph_size={size}")
         self.ctx = ctx
+        self._ctxs = {ctx}  # every context holding a tensor of the graph: all must stay open
         self.size = size
         self.handle = lib.ggml_new_graph_custom(ctx.handle, size, False)
         if self.handle == ffi.NULL:
             raise GGMLError("ggml_new_graph_custom failed")
         self._seen: set[int] = set()
-        self._deps: set[int] | None = None  # buffers the allocated graph reads and writes
+        self._deps: frozenset[tuple[int, int | None]] | None = None  # (buffer, token) pairs the allocated graph uses
 
     def _count_new(self, root: Tensor) -> int:
         """Tensors (nodes + leafs) that expanding `root` would add, so we can refuse overflow."""
@@ -814,7 +827,7 @@ class Graph:
 
     def expand(self, tensor: Tensor) -> Tensor:
         """ggml_build_forward_expand: add `tensor` and everything it depends on."""
-        self.ctx._check_open()
+        self._check_ctxs()
         if tensor.ctx.closed:
             raise GGMLError("tensor used after its Context was closed")
         n_new, new = self._count_new(tensor)  # type: ignore[misc]
@@ -822,11 +835,20 @@ class Graph:
             raise GGMLError(f"graph of size {self.size} is full ({len(self._seen)} tensors + {n_new} new); build it with a larger size")
         lib.ggml_build_forward_expand(self.handle, tensor.ptr)
         self._seen |= new
+        self._ctxs |= {tensor.ctx, *tensor.ctx._src_ctxs}
         return tensor
+
+    def _ctxs_open(self) -> bool:
+        return not any(c.closed for c in self._ctxs)
+
+    def _check_ctxs(self) -> None:
+        self.ctx._check_open()
+        if not self._ctxs_open():
+            raise GGMLError("a Context holding tensors of this graph was closed")
 
     @property
     def n_nodes(self) -> int:
-        self.ctx._check_open()
+        self._check_ctxs()
         return int(lib.ggml_graph_n_nodes(self.handle))
 
     def node(self, i: int) -> Tensor:
@@ -863,7 +885,7 @@ class Graph:
     def _detach(self, addrs: "set[int] | None") -> None:
         """Drop the data of this graph's tensors placed in the freed buffers `addrs` (None: any dead buffer)."""
         self._deps = None
-        if not self.ctx.closed:
+        if self._ctxs_open():
             _detach(self._tensor_ptrs(), addrs)
 
     def _collect_buffers(self) -> frozenset[tuple[int, int | None]]:
@@ -881,7 +903,7 @@ class Graph:
 
     def compute(self, backend: Backend) -> None:
         """ggml_backend_graph_compute, releasing the GIL. Every tensor must be allocated."""
-        self.ctx._check_open()
+        self._check_ctxs()
         if self._deps is None:
             self._deps = self._collect_buffers()
         if any(token is None or _live_buffers.get(a) != token for a, token in self._deps):
