@@ -135,10 +135,6 @@ rm -rf "$PREFIX"
 cmake --install "$BUILD" --prefix "$PREFIX" > "$BUILD.install.log" 2>&1 \
     || { tail -n 20 "$BUILD.install.log" >&2; die "cmake install failed"; }
 rm -rf "$PREFIX/lib/cmake" "$PREFIX/lib/pkgconfig"
-if [ -n "${CUDA_RUNTIME_LIBS:-}" ]; then
-    # cuBLAS from the wheel travels with the package so the CUDA backend loads without it
-    for lib in $CUDA_RUNTIME_LIBS; do cp -P "$lib"* "$PREFIX/lib/" 2>/dev/null || true; done
-fi
 echo "$KEY" > "$STAMP"
 echo "$VARIANT" > "$PREFIX/variant"
 say "built ggml $GGML_VERSION ($VARIANT) in $(( $(date +%s) - start ))s into pyggml_dkv/_libs"

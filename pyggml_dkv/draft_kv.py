@@ -144,6 +144,7 @@ class DraftKvCache:
         if cfg.vocab is not None and arr.shape[0] != cfg.vocab:
             raise ValueError(f"{name} has {arr.shape[0]} rows, the config says vocab={cfg.vocab}")
         tensor, buf = upload_matrix(self.backend, arr, self.weights.dtype, name)
+        self._own(tensor.ctx)  # its metadata context too (closed after the buffer): nothing outlives close()
         self._own(buf)
         return tensor
 
@@ -195,14 +196,16 @@ class DraftKvCache:
                 h = g.scale(h, cfg.input_embedding_scale)
         else:
             h = self.inp_embed
+        self.fold_gqa = G.fold_gqa(cfg, self.backend.is_cpu)
+        groups = G.group_size(cfg) if self.fold_gqa else 1
+        masks = {swa: G.expand_mask(g, m, groups) for swa, m in ((False, self.mask_full), (True, self.mask_swa)) if m is not None}
         for layer in range(cfg.n_layer):
             hn = G.norm(g, h, w.layer(layer, "input_layernorm.weight"), cfg.rms_eps)
             q = G.queries(g, w, layer, hn, self.pos_q)
             k_all = self.gf.expand(g.set_rows(k_caches[layer], G.keys(g, w, layer, hn, self.pos_q), self.noise_rows))
             v_all = self.gf.expand(g.set_rows(v_caches[layer], G.values(g, w, layer, hn), self.noise_rows))
-            mask = self.mask_swa if self.layer_swa[layer] else self.mask_full
-            assert mask is not None
-            h = g.add(h, G.attend(g, w, layer, q, k_all, v_all, mask))
+            mask = masks[self.layer_swa[layer]]
+            h = g.add(h, G.attend(g, w, layer, q, k_all, v_all, mask, self.fold_gqa))
             h = G.feed_forward(g, w, layer, h)
 
         # (c) output

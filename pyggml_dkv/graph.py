@@ -57,11 +57,10 @@ def values(g: Context, w: BackendWeights, layer: int, x: Tensor) -> Tensor:
 
 
 def queries(g: Context, w: BackendWeights, layer: int, hn: Tensor, pos: Tensor) -> Tensor:
-    """Q of the noise block: per-head RMSNorm * q_norm, RoPE -> [head_dim, q_len, n_head] for flash attention."""
+    """Q of the noise block: per-head RMSNorm * q_norm, RoPE -> [head_dim, n_head, q_len]."""
     cfg = w.cfg
     q = project_heads(g, w, layer, "q", hn, cfg.n_head)
-    q = rope(g, norm(g, q, w.layer(layer, "self_attn.q_norm.weight"), cfg.rms_eps), pos, cfg)
-    return g.permute(q, 0, 2, 1, 3)
+    return rope(g, norm(g, q, w.layer(layer, "self_attn.q_norm.weight"), cfg.rms_eps), pos, cfg)
 
 
 def kv_heads_view(g: Context, cache: Tensor, cfg: DraftConfig, n_rows: int) -> Tensor:
@@ -70,14 +69,55 @@ def kv_heads_view(g: Context, cache: Tensor, cfg: DraftConfig, n_rows: int) -> T
     return g.view(cache, (cfg.head_dim, n_rows, cfg.n_head_kv), (cache.nb[1], head_bytes), 0)
 
 
-def attend(g: Context, w: BackendWeights, layer: int, q: Tensor, k_all: Tensor, v_all: Tensor, mask: Tensor) -> Tensor:
-    """Flash attention of q over [head_dim*n_head_kv, rows] K/V, then o_proj -> [hidden, q_len]."""
+def group_size(cfg: DraftConfig) -> int:
+    """Query heads per K/V head."""
+    return cfg.n_head // cfg.n_head_kv
+
+
+def fold_gqa(cfg: DraftConfig, backend_is_cpu: bool) -> bool:
+    """Fold each K/V head's query heads into extra query rows for flash attention?
+
+    ggml's CPU flash attention runs a tiled GEMM kernel only for >= 64 query rows per head, and
+    otherwise a per-row dot-product loop that rereads every key for every query row and head
+    (~20x slower over a long window). With q_len 16 and 4 query heads per K/V head, folding gives
+    64 rows per K/V head: the keys are read once per K/V head and scored with a GEMM.
+    """
+    return backend_is_cpu and group_size(cfg) > 1
+
+
+def expand_mask(g: Context, mask: Tensor, groups: int) -> Tensor:
+    """[kv, q_len] -> [kv, groups*q_len]: the mask repeated once per folded query head."""
+    out = mask
+    while out.ne[1] < groups * mask.ne[1]:
+        need = groups * mask.ne[1] - out.ne[1]
+        out = g.concat(out, out if need >= out.ne[1] else mask, 1)
+    return out
+
+
+def attend(g: Context, w: BackendWeights, layer: int, q: Tensor, k_all: Tensor, v_all: Tensor,
+           mask: Tensor, fold: bool) -> Tensor:
+    """Flash attention of q [head_dim, n_head, q_len] over [head_dim*n_head_kv, rows] K/V, then o_proj.
+
+    With `fold`, `mask` must be the folded mask (expand_mask) and the query heads sharing a K/V
+    head become rows r = j + q_len*g of that head (g = the head's index within its group).
+    """
     cfg = w.cfg
+    hd, q_len, n_kv, groups = cfg.head_dim, q.ne[2], cfg.n_head_kv, group_size(cfg)
     rows = k_all.ne[1]
     k = kv_heads_view(g, k_all, cfg, rows)
     v = kv_heads_view(g, v_all, cfg, rows)
-    out = g.flash_attn_ext(q, k, v, mask, 1.0 / math.sqrt(cfg.head_dim), prec_f32=True)
-    out = g.reshape(out, cfg.head_dim * cfg.n_head, q.ne[1])
+    scale = 1.0 / math.sqrt(hd)
+    if fold:
+        # q[d, h = g + groups*kv, j] -> [d, j + q_len*g, kv]
+        q4 = g.reshape(q, hd, groups, n_kv, q_len)
+        qf = g.reshape(g.cont(g.permute(q4, 0, 2, 3, 1)), hd, q_len * groups, n_kv)
+        out = g.flash_attn_ext(qf, k, v, mask, scale, prec_f32=True)  # [d, kv, j + q_len*g]
+        # -> [d, h = g + groups*kv, j]
+        out4 = g.reshape(out, hd, n_kv, q_len, groups)
+        out = g.cont(g.permute(out4, 0, 2, 3, 1))
+    else:
+        out = g.flash_attn_ext(g.permute(q, 0, 2, 1, 3), k, v, mask, scale, prec_f32=True)  # [d, n_head, q_len]
+    out = g.reshape(out, hd * cfg.n_head, q_len)
     return g.mul_mat(w.layer(layer, "self_attn.o_proj.weight"), out)
 
 

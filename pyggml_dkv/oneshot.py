@@ -47,14 +47,16 @@ class _WindowGraph:
         self.graph = Graph(g, size)
         fused = G.fuse_features(g, w, self.feat)
         h = self.inp_embed
+        fold = G.fold_gqa(cfg, be.is_cpu)
+        groups = G.group_size(cfg) if fold else 1
+        masks = {False: G.expand_mask(g, self.mask_full, groups), True: G.expand_mask(g, self.mask_swa, groups)}
         for layer in range(cfg.n_layer):
             hn = G.norm(g, h, w.layer(layer, "input_layernorm.weight"), cfg.rms_eps)
             q = G.queries(g, w, layer, hn, self.pos_q)
             # K/V of [context rows ++ noise rows], stored in the cache's type like the ring cache does
             k_all = g.cast(g.concat(G.keys(g, w, layer, fused, self.pos_ctx), G.keys(g, w, layer, hn, self.pos_q), 1), drafter.cache_type)
             v_all = g.cast(g.concat(G.values(g, w, layer, fused), G.values(g, w, layer, hn), 1), drafter.cache_type)
-            mask = self.mask_swa if drafter.layer_swa[layer] else self.mask_full
-            h = g.add(h, G.attend(g, w, layer, q, k_all, v_all, mask))
+            h = g.add(h, G.attend(g, w, layer, q, k_all, v_all, masks[drafter.layer_swa[layer]], fold))
             h = G.feed_forward(g, w, layer, h)
         head = G.output_head(g, w, h, drafter.lm_head)
         self.out = self.graph.expand(head.logits if head.logits is not None else head.hidden)
@@ -167,6 +169,8 @@ class OneShotDrafter:
             self._wg = None
         if self._lm_buf is not None:
             self._lm_buf.close()
+            if self._lm_buf.ctx is not None:  # the upload's metadata context as well
+                self._lm_buf.ctx.close()
             self._lm_buf = None
 
     def __enter__(self) -> "OneShotDrafter":

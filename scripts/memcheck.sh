@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Run a short drafter trajectory under valgrind memcheck (docs/hardening.md).
+#
+#   scripts/memcheck.sh                 build the valgrind-friendly ggml once, then run
+#   MEMCHECK_STEPS=40 scripts/memcheck.sh
+#
+# valgrind cannot execute AVX-512, and the package's ggml is built with GGML_NATIVE=ON, so this
+# builds a second copy of the pinned ggml (vendor/ggml) with AVX2/FMA/F16C only and debug info
+# into vendor/build/cpu-memcheck-install, and points the loader at it with LD_LIBRARY_PATH (the
+# cffi extension finds ggml through RUNPATH, which LD_LIBRARY_PATH overrides). The package itself
+# is not touched. Exit status: 0 clean, 99 memcheck found errors, anything else: the run failed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SRC="$ROOT/vendor/ggml"
+BUILD="$ROOT/vendor/build/cpu-memcheck"
+PREFIX="$ROOT/vendor/build/cpu-memcheck-install"
+# the real interpreter, not a pyenv/venv shim script (valgrind would check the shell instead)
+PYTHON="${PYTHON:-$(python3 -c 'import sys; print(sys.executable)')}"
+
+[ -f "$SRC/CMakeLists.txt" ] || { echo "memcheck.sh: $SRC is missing: run ./build_ggml.sh first" >&2; exit 2; }
+command -v valgrind >/dev/null || { echo "memcheck.sh: valgrind not found (apt-get install valgrind)" >&2; exit 2; }
+
+if [ ! -f "$PREFIX/lib/libggml-cpu.so" ]; then
+    echo "memcheck.sh: building ggml without AVX-512 for valgrind (once; log: $BUILD.build.log)" >&2
+    cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DBUILD_SHARED_LIBS=ON \
+        -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+        -DGGML_AVX512=OFF -DGGML_OPENMP=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF -DGGML_CCACHE=OFF \
+        -DCMAKE_INSTALL_LIBDIR=lib -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
+        > "$BUILD.configure.log" 2>&1 || { tail -n 30 "$BUILD.configure.log" >&2; exit 2; }
+    cmake --build "$BUILD" -j "${GGML_JOBS:-$(nproc)}" > "$BUILD.build.log" 2>&1 || { tail -n 30 "$BUILD.build.log" >&2; exit 2; }
+    cmake --install "$BUILD" --prefix "$PREFIX" > "$BUILD.install.log" 2>&1 || { tail -n 20 "$BUILD.install.log" >&2; exit 2; }
+fi
+
+cd "$ROOT"
+exec env PYTHONMALLOC=malloc LD_LIBRARY_PATH="$PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    valgrind --tool=memcheck --error-exitcode=99 --errors-for-leak-kinds=none --leak-check=no \
+    --track-origins=no --num-callers=30 --suppressions="$ROOT/scripts/valgrind-python.supp" \
+    ${VALGRIND_EXTRA:-} \
+    "$PYTHON" "$ROOT/scripts/memcheck_trajectory.py" "$@"
