@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "available_backends": "ggml",
     "list_devices": "ggml",
+    "cuda_graph_stats": "ggml",
     "Backend": "ggml",
     "BackendInfo": "ggml",
     "BackendUnavailableError": "ggml",

@@ -28,6 +28,25 @@ _LEVELS = {
 }
 _last_level = logging.INFO
 
+# ggml's CUDA backend says in debug messages whether it replayed a captured CUDA graph; counted
+# here so hosts and benchmarks can tell (see cuda_graph_stats()).
+_CUDA_GRAPH_EVENTS = {
+    "reused": "CUDA Graph id",          # "CUDA Graph id N reused": the step replayed a captured graph
+    "warmup_complete": "CUDA graph warmup complete",
+    "warmup_reset": "CUDA graph warmup reset",
+    "update_failed": "CUDA graph update failed",
+    "disabled": "disabling CUDA graphs",
+}
+cuda_graph_events = dict.fromkeys(_CUDA_GRAPH_EVENTS, 0)
+
+
+def _count_cuda_graph_event(msg: str) -> None:
+    if "CUDA" not in msg or "raph" not in msg:
+        return
+    for event, marker in _CUDA_GRAPH_EVENTS.items():
+        if marker in msg and (event != "reused" or msg.endswith("reused")):
+            cuda_graph_events[event] += 1
+
 
 @ffi.def_extern()
 def _pyggml_log_callback(level: int, text: "ffi.CData", user_data: "ffi.CData") -> None:
@@ -37,6 +56,7 @@ def _pyggml_log_callback(level: int, text: "ffi.CData", user_data: "ffi.CData") 
     if level != lib.GGML_LOG_LEVEL_CONT:
         _last_level = _LEVELS.get(level, logging.INFO)
     msg = ffi.string(text).decode("utf-8", "replace").rstrip("\n")
+    _count_cuda_graph_event(msg)
     if msg:
         _ggml_logger.log(_last_level, "%s", msg)
 

@@ -155,6 +155,20 @@ def _cuda_device_count() -> int:
     return int(lib.ggml_backend_cuda_get_device_count()) if hasattr(lib, "ggml_backend_cuda_init") else 0
 
 
+def cuda_graph_stats(reset: bool = False) -> dict[str, int]:
+    """What ggml's CUDA backend reported about CUDA graphs since the last reset: warm-ups completed
+    (a graph was captured: later identical computes replay it silently), warm-up resets (the graph
+    changed between computes), failed updates, graphs disabled, and "reused" (scheduler graphs with
+    a uid only). All zero on other backends, or with GGML_CUDA_DISABLE_GRAPHS=1."""
+    from . import _lowlevel
+
+    stats = dict(_lowlevel.cuda_graph_events)
+    if reset:
+        for key in _lowlevel.cuda_graph_events:
+            _lowlevel.cuda_graph_events[key] = 0
+    return stats
+
+
 def available_backends() -> list[BackendInfo]:
     """What this build and this machine can run. CPU always; CUDA and RPC with the reason when not."""
     cpu_dev = lib.ggml_backend_dev_by_name(b"CPU")
@@ -826,16 +840,22 @@ class Graph:
         return len(new), new  # type: ignore[return-value]
 
     def expand(self, tensor: Tensor) -> Tensor:
-        """ggml_build_forward_expand: add `tensor` and everything it depends on."""
+        """ggml_build_forward_expand: add `tensor` and everything it depends on.
+
+        The tensor is flagged as a graph output, so the allocator neither reuses its memory for a
+        later node nor computes a later op in place over it: it can be read after compute().
+        """
         self._check_ctxs()
-        if tensor.ctx.closed:
-            raise GGMLError("tensor used after its Context was closed")
+        ctxs = {tensor.ctx, *tensor.ctx._src_ctxs}
+        if any(c.closed for c in ctxs):
+            raise GGMLError("tensor used after its Context (or one its ops read from) was closed")
         n_new, new = self._count_new(tensor)  # type: ignore[misc]
         if len(self._seen) + n_new > self.size:
             raise GGMLError(f"graph of size {self.size} is full ({len(self._seen)} tensors + {n_new} new); build it with a larger size")
+        lib.ggml_set_output(tensor.ptr)
         lib.ggml_build_forward_expand(self.handle, tensor.ptr)
         self._seen |= new
-        self._ctxs |= {tensor.ctx, *tensor.ctx._src_ctxs}
+        self._ctxs |= ctxs
         return tensor
 
     def _ctxs_open(self) -> bool:

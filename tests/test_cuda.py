@@ -1,0 +1,94 @@
+"""CUDA: run-time selection everywhere; parity and CUDA-graph replay where a GPU exists.
+
+On a machine without a GPU (or a build without CUDA) the CUDA backend must be reported
+unavailable with a reason and refuse to start with a clear error. The GPU tests skip there;
+scripts/gpu_check.sh runs them on a lent GPU machine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyggml_dkv
+from pyggml_dkv import Backend, BackendUnavailableError, DraftConfig, DraftKvCache, DraftWeights
+from pyggml_dkv import _lowlevel
+from pyggml_dkv.ggml import built_backends, cuda_graph_stats
+
+CUDA_DEVICES = [b.name for b in pyggml_dkv.available_backends() if b.name.startswith("cuda:") and b.available]
+needs_gpu = pytest.mark.skipif(not CUDA_DEVICES, reason="no CUDA device (or this ggml was built without CUDA)")
+
+
+@pytest.mark.skipif(bool(CUDA_DEVICES), reason="a CUDA device is present")
+def test_cuda_reported_unavailable_with_a_reason():
+    cuda = [b for b in pyggml_dkv.available_backends() if b.name.startswith("cuda")]
+    assert cuda and not cuda[0].available and cuda[0].reason
+    if "cuda" in built_backends():
+        assert "no CUDA device" in cuda[0].reason
+    else:
+        assert "GGML_CUDA=1" in cuda[0].reason
+    for spec in ("cuda", "cuda:0"):
+        with pytest.raises(BackendUnavailableError, match="CUDA"):
+            Backend(spec)
+
+
+def test_cuda_graph_events_are_parsed_from_ggml_debug_log():
+    cuda_graph_stats(reset=True)
+    for msg in ("CUDA Graph id 7 reused", "ggml_backend_cuda_graph_compute: CUDA graph warmup complete",
+                "ggml_cuda_graph_update: CUDA graph update failed", "unrelated message about a graph",
+                "ggml_backend_cuda_graph_compute: CUDA graph warmup reset"):
+        _lowlevel._count_cuda_graph_event(msg)
+    assert cuda_graph_stats(reset=True) == {"reused": 1, "warmup_complete": 1, "warmup_reset": 1,
+                                            "update_failed": 1, "disabled": 0}
+    assert sum(cuda_graph_stats().values()) == 0
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    backend = Backend(CUDA_DEVICES[0]) if CUDA_DEVICES else None
+    yield backend
+    if backend is not None:
+        backend.close()
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["gqa1-hd64-q10-mixed-swa<cap", "gqa2-hd128-q16-mixed-swa>cap-yarn",
+                                  "gqa4-hd64-q16-full", "gqa4-hd128-q10-sliding"])
+@pytest.mark.parametrize("cache_type", ["f32", "f16"])
+def test_parity_on_cuda(name, cache_type, gpu, parity_log):
+    from test_parity import CONFIGS, run_trajectory
+
+    spec = CONFIGS[name]
+    run_trajectory(DraftConfig(**spec["cfg"]), spec["cap"], "f32", cache_type, "seed", False, n_steps=40,
+                   seed=5, cpu=gpu, parity_log=parity_log, case=f"{name} [CUDA]")
+
+
+@needs_gpu
+def test_step_graph_replays_as_a_cuda_graph(gpu):
+    """Same topology and addresses every step: after warm-up ggml replays its captured CUDA graph.
+
+    ggml logs "CUDA Graph id N reused" only for scheduler graphs (they carry a uid); for ours it
+    logs the warm-up once and then replays without a word, unless a property changed (a reset)."""
+    import os
+
+    from pyggml_dkv import FeatureRing
+
+    if os.environ.get("GGML_CUDA_DISABLE_GRAPHS"):
+        pytest.skip("CUDA graphs disabled by GGML_CUDA_DISABLE_GRAPHS")
+    cfg = DraftConfig.toy()
+    w = DraftWeights.random(cfg, seed=0)
+    ring = FeatureRing(512, cfg.fc_in)
+    feats = np.random.default_rng(0).standard_normal((400, cfg.fc_in)).astype(np.float32)
+    noise = np.random.default_rng(1).standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
+    with w.to_backend(gpu, "f16") as bw, DraftKvCache(bw, gpu, 256) as cache:
+        ring.append(feats[:100])
+        cache.step(ring, 100, noise)
+        cuda_graph_stats(reset=True)
+        for committed in range(101, 161):
+            ring.append(feats[committed - 1:committed])
+            cache.step(ring, committed, noise)
+        stats = cuda_graph_stats(reset=True)
+    # ggml captures the graph on the second identical compute and replays it silently afterwards;
+    # any change of topology, shapes or tensor addresses would show up as a warm-up reset
+    assert stats["warmup_complete"] == 1 and stats["warmup_reset"] == 0, stats
+    assert stats["update_failed"] == 0 and stats["disabled"] == 0, stats
