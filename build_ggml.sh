@@ -28,7 +28,7 @@ say() { echo "build_ggml.sh: $*" >&2; }
 # ---------------------------------------------------------------- source
 fetch_pinned_source() {
     local dest="$VENDOR/ggml" stamp="$VENDOR/ggml/.pyggml_dkv_source"
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$GGML_SDIST_SHA256" ]; then
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$SOURCE_ID" ]; then
         return
     fi
     local dl="$VENDOR/downloads" sdist="$VENDOR/downloads/$GGML_SDIST_FILE"
@@ -59,20 +59,36 @@ fetch_pinned_source() {
     local tmp
     tmp="$(mktemp -d "$VENDOR/unpack.XXXXXX")"
     tar -xzf "$sdist" -C "$tmp" "$GGML_SDIST_SUBDIR"
+    local p
+    [ ${#PATCHES[@]} -eq 0 ] || command -v patch >/dev/null || die "patch not found (apt-get install patch)"
+    for p in "${PATCHES[@]}"; do
+        say "applying $(basename "$p")"
+        patch -s -p1 -d "$tmp/$GGML_SDIST_SUBDIR" < "$p" || die "patch $(basename "$p") does not apply to ggml $GGML_VERSION"
+    done
     rm -rf "$dest"
     mv "$tmp/$GGML_SDIST_SUBDIR" "$dest"
     rm -rf "$tmp"
-    echo "$GGML_SDIST_SHA256" > "$stamp"
+    echo "$SOURCE_ID" > "$stamp"
 }
+
+# our small patches to the pinned source (vendor/patches/README.md); part of the source identity
+shopt -s nullglob
+PATCHES=("$VENDOR"/patches/*.patch)
+shopt -u nullglob
+SOURCE_ID="$GGML_SDIST_SHA256"
+if [ ${#PATCHES[@]} -gt 0 ]; then
+    SOURCE_ID="$SOURCE_ID+$(cat "${PATCHES[@]}" | sha256sum | cut -c1-16)"
+fi
 
 if [ -n "${GGML_SRC:-}" ]; then
     SRC="$(cd "$GGML_SRC" 2>/dev/null && pwd)" || die "GGML_SRC=$GGML_SRC is not a directory"
     [ -f "$SRC/include/ggml.h" ] && [ -f "$SRC/CMakeLists.txt" ] || die "GGML_SRC=$SRC does not look like a ggml tree (no include/ggml.h or CMakeLists.txt)"
     SRC_ID="custom:$SRC"
+    [ ${#PATCHES[@]} -gt 0 ] && say "note: vendor/patches are not applied to GGML_SRC (CPU flash attention may be slower)"
 else
     fetch_pinned_source
     SRC="$VENDOR/ggml"
-    SRC_ID="pin:$GGML_SDIST_SHA256"
+    SRC_ID="pin:$SOURCE_ID"
 fi
 
 # ---------------------------------------------------------------- toolchain
