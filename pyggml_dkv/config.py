@@ -45,6 +45,10 @@ class DraftConfig:
     target_layer_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if isinstance(self.n_layer, bool) or not isinstance(self.n_layer, int) or self.n_layer <= 0:
+            raise ConfigError(f"DraftConfig.n_layer must be a positive int, got {self.n_layer!r}")
+        if not isinstance(self.layer_types, (list, tuple)):
+            raise ConfigError(f"layer_types must be a list of {LAYER_TYPES}, got {self.layer_types!r}")
         if not self.layer_types:
             self.layer_types = ["full"] * self.n_layer
         else:
@@ -93,7 +97,9 @@ class DraftConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"DraftConfig.{name} must be a finite number, got {value!r}")
-        if self.final_logit_softcapping is not None and not (self.final_logit_softcapping > 0):
+        if self.final_logit_softcapping is not None and not (
+                isinstance(self.final_logit_softcapping, (int, float)) and math.isfinite(self.final_logit_softcapping)
+                and self.final_logit_softcapping > 0):
             raise ConfigError(f"final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping!r}")
         if not isinstance(self.swa_window, int) or self.swa_window < 0:
             raise ConfigError(f"swa_window must be an int >= 0, got {self.swa_window!r}")
@@ -101,6 +107,10 @@ class DraftConfig:
             raise ConfigError("sliding layers need swa_window > 0")
         if not isinstance(self.n_ctx_orig, int) or self.n_ctx_orig < 0:
             raise ConfigError(f"n_ctx_orig must be an int >= 0, got {self.n_ctx_orig!r}")
+        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int):
+            raise ConfigError(f"mask_token_id must be an int, got {self.mask_token_id!r}")
+        if not isinstance(self.target_layer_ids, (list, tuple)):
+            raise ConfigError(f"target_layer_ids must be a list of ints, got {self.target_layer_ids!r}")
         if self.vocab is not None:
             positive_int("vocab")
             if not 0 <= self.mask_token_id < self.vocab:

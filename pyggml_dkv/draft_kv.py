@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -118,6 +119,7 @@ class DraftKvCache:
         self.next_pos = 0
         self.slot_pos = np.full(self.cap, -1, dtype=np.int64)
         self._pending_from: int | None = None  # fold-in rows filled but not yet computed
+        self._ring_seen: tuple[Any, int] | None = None  # (weakref to the last ring, its epoch then)
         self._ap_feat_host = np.zeros((self.a_step, self.fc_in), dtype=np.float32)
         self._ap_pos_host = np.zeros(self.a_step, dtype=np.int32)
         self._ap_rows_host = np.full(self.a_step, self.trash_slot, dtype=np.int32)
@@ -246,10 +248,12 @@ class DraftKvCache:
             raise GGMLError("the cache's BackendWeights were closed")
 
     def close(self) -> None:
-        """Free the caches, inputs, graph and allocator. Idempotent."""
-        self._closed = True
-        while self._owned:
-            self._owned.pop().close()
+        """Free the caches, inputs, graph and allocator. Idempotent. A step running in another
+        thread finishes first (freeing memory its compute is using would crash the process)."""
+        with self._lock:
+            self._closed = True
+            while self._owned:
+                self._owned.pop().close()
 
     def __enter__(self) -> "DraftKvCache":
         return self
@@ -259,7 +263,15 @@ class DraftKvCache:
 
     def reset(self) -> None:
         """Forget every cached row (new or rewound request). Cheap: no device work."""
-        self._check_usable()
+        if not self._lock.acquire(blocking=False):  # a reset in the middle of a step would corrupt it
+            raise RuntimeError("this DraftKvCache is being stepped from another thread; reset it from that thread")
+        try:
+            self._check_usable()
+            self._reset()
+        finally:
+            self._lock.release()
+
+    def _reset(self) -> None:
         self.slot_pos.fill(-1)
         self.next_pos = 0
         self._pending_from = None
@@ -290,9 +302,10 @@ class DraftKvCache:
         if self._pending_from is not None:  # the last fold-in was never computed: redo it
             self.next_pos = self._pending_from
             self._pending_from = None
-        # 1. rewind: stale slots would shadow live positions
-        if self.next_pos > committed:
-            self.reset()
+        # 1. rewind: stale slots would shadow live positions. Also when the host dropped (and maybe
+        # rewrote) positions this cache holds without lowering committed, or switched rings.
+        if self.next_pos > committed or self._ring_changed_below(ring, self.next_pos):
+            self._reset()
         # 2. what is missing from the window
         win = min(committed, self.cap)
         lo = committed - win
@@ -303,7 +316,7 @@ class DraftKvCache:
             try:
                 self._bulk_append(ring, start, committed)
             except BaseException:
-                self.reset()
+                self._reset()
                 raise
             n_new = 0
         # 4. fold-in inputs (padding rows: pos 0, trash slot)
@@ -321,11 +334,22 @@ class DraftKvCache:
         self.ap_pos.set(ap_pos)
         self.ap_rows.set(ap_rows)
         self.next_pos = committed
+        self._ring_seen = (weakref.ref(ring), ring.epoch)
         # 5. noise positions
         np.add(committed, np.arange(self.q_len, dtype=np.int32), out=self._pos_q_host)
         self.pos_q.set(self._pos_q_host)
         # 6. masks
         self._fill_masks(committed, win)
+
+    def _ring_changed_below(self, ring: FeatureRing, pos: int) -> bool:
+        """Did `ring` drop a position < pos since the last step (or is it another ring)?"""
+        if pos <= 0 or self._ring_seen is None:
+            return False
+        ref, epoch = self._ring_seen
+        if ref() is not ring:
+            return True
+        dropped = ring.dropped_since(epoch)
+        return dropped is not None and dropped < pos
 
     def _fill_masks(self, committed: int, win: int) -> None:
         cap, neg = self.cap, np.float16(-np.inf)

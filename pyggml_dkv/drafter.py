@@ -142,12 +142,13 @@ class Drafter:
             raise ValueError("propose() needs the features of at least one committed token (add_features first)")
         if isinstance(last_token, bool) or not isinstance(last_token, (int, np.integer)) or not 0 <= last_token < self.vocab:
             raise ValueError(f"last_token must be a token id in [0, {self.vocab}), got {last_token!r}")
-        if temperature < 0 or not np.isfinite(temperature):
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        real = (int, float, np.integer, np.floating)
+        if isinstance(temperature, bool) or not isinstance(temperature, real) or not np.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if isinstance(top_p, bool) or not isinstance(top_p, real) or not 0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
         self._tokens[0] = last_token
         if temperature == 0:
             return self.cache.step_tokens(self.ring, self.committed, self._tokens, output="ids")[1:].astype(np.int64)

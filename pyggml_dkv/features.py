@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from .numeric import bf16_bits_to_fp32, fp32_to_bf16_bits
@@ -34,6 +36,24 @@ class FeatureRing:
             self._rows = np.full((self.cap, self.fc_in), np.nan, dtype=np.float32 if dtype == "f32" else np.float16)
         self.written = 0  # next position to write
         self.oldest = 0  # first position still readable
+        # consumers that keep state derived from positions (the ring cache) must learn when written
+        # positions are dropped (truncate, clear, or a write below `written`): each drop bumps
+        # `epoch`, and the last few drops are kept as (epoch, first dropped position)
+        self.epoch = 0
+        self._drops: deque[tuple[int, int]] = deque(maxlen=64)
+
+    def _dropped(self, pos: int) -> None:
+        self.epoch += 1
+        self._drops.append((self.epoch, int(pos)))
+
+    def dropped_since(self, epoch: int) -> int | None:
+        """The lowest position dropped after `epoch` (None: nothing dropped; 0 when the history
+        no longer reaches back that far)."""
+        if epoch == self.epoch:
+            return None
+        if not self._drops or self._drops[0][0] > epoch + 1:
+            return 0
+        return min(p for e, p in self._drops if e > epoch)
 
     def __len__(self) -> int:
         return self.written - self.oldest
@@ -73,6 +93,8 @@ class FeatureRing:
         n = arr.shape[0]
         if n == 0:
             return
+        if pos < self.written:
+            self._dropped(pos)
         if n > self.cap:  # only the last cap rows survive
             arr, pos, skipped = arr[n - self.cap:], pos + n - self.cap, n - self.cap
             n = self.cap
@@ -92,16 +114,25 @@ class FeatureRing:
             raise TypeError(f"pos must be an int, got {type(pos).__name__}")
         if not self.oldest <= pos <= self.written:
             raise ValueError(f"cannot truncate to {pos}: readable positions are [{self.oldest}, {self.written})")
+        if pos < self.written:
+            self._dropped(pos)
         self.written = int(pos)
 
     def clear(self) -> None:
         """Forget everything (a new request)."""
+        if self.written:
+            self._dropped(0)
         self.written = 0
         self.oldest = 0
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Positions [start, start+n) as float32 (n, fc_in); refuses overwritten or unwritten ones."""
-        out = np.empty((max(int(n), 0), self.fc_in), dtype=np.float32)
+        for name, value in (("start", start), ("n", n)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"read {name} must be an int, got {value!r}")
+        if n < 0 or start < 0:
+            raise ValueError(f"bad read range start={start}, n={n}")
+        out = np.empty((int(n), self.fc_in), dtype=np.float32)
         self.read_into(start, out)
         return out
 

@@ -94,6 +94,10 @@ class _Owned:
         with _Owned._live_lock:
             _Owned._live[kind] = _Owned._live.get(kind, 0) + 1
         self._finalizer = weakref.finalize(self, _Owned._free, free_fn, handle, kind)
+        # Not at interpreter exit: a daemon thread may still be stepping a cache (its compute runs
+        # without the GIL), and freeing its buffers under it segfaults the exit. The OS reclaims
+        # everything anyway; close() and garbage collection before exit still free as usual.
+        self._finalizer.atexit = False
 
     @staticmethod
     def _free(free_fn: Any, handle: Any, kind: str) -> None:
@@ -292,6 +296,11 @@ class Backend(_Owned):
     @property
     def is_cpu(self) -> bool:
         return self.kind == "cpu"
+
+    def close(self) -> None:
+        """Free the backend. Idempotent. A graph compute running on it in another thread finishes first."""
+        with self.lock:
+            super().close()
 
     def set_n_threads(self, n_threads: int) -> None:
         if not self.is_cpu:
@@ -928,9 +937,8 @@ class Graph:
             self._deps = self._collect_buffers()
         if any(token is None or _live_buffers.get(a) != token for a, token in self._deps):
             raise GGMLError("the graph uses a backend buffer that has been closed (or reallocated by its Gallocr)")
-        handle = backend.handle
-        with backend.lock:
-            status = lib.ggml_backend_graph_compute(handle, self.handle)
+        with backend.lock:  # the handle is read under the lock: Backend.close() takes it too
+            status = lib.ggml_backend_graph_compute(backend.handle, self.handle)
         if status != lib.GGML_STATUS_SUCCESS:
             raise GGMLError(f"graph compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}")
 

@@ -7,12 +7,13 @@ import numpy as np
 
 def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bit patterns, rounding to nearest even exactly like ggml (NaN kept quiet)."""
+    shape = np.shape(x)  # ascontiguousarray makes a 0-d input 1-d: give the result the input's shape
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     rounded = ((bits.astype(np.uint64) + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
     if nan.any():
         rounded[nan] = ((bits[nan] >> 16) | 64).astype(np.uint16)
-    return rounded
+    return rounded.reshape(shape)
 
 
 def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:

@@ -81,7 +81,7 @@ class OpsMixin:
     """Graph-building ops; mixed into Context."""
 
     # provided by Context
-    def _reserve(self, data_bytes: int = 0) -> None: ...  # pragma: no cover
+    def _reserve(self, data_bytes: int | None = 0) -> None: ...  # pragma: no cover
     def _wrap(self, ptr: Any) -> "Tensor": ...  # pragma: no cover
     handle: Any
     _src_ctxs: set[Any]
@@ -137,6 +137,8 @@ class OpsMixin:
             _fail("reshape", f"{a.name!r} is not contiguous; ggml_cont it first")
         if math.prod(ne) != a.nelements:
             _fail("reshape", f"cannot reshape {a.nelements} elements of {a.name!r} into {ne}")
+        if ne[0] % lib.ggml_blck_size(a.type_id):  # a quantized row must stay whole blocks
+            _fail("reshape", f"ne0={ne[0]} is not a multiple of the {a.type} block size")
         self._reserve()
         fn = {2: lib.ggml_reshape_2d, 3: lib.ggml_reshape_3d, 4: lib.ggml_reshape_4d}[len(ne)]
         out = self._wrap(fn(self.handle, a.ptr, *ne))
@@ -147,6 +149,8 @@ class OpsMixin:
         self._same_ctx("permute", a)
         if sorted((axis0, axis1, axis2, axis3)) != [0, 1, 2, 3]:
             _fail("permute", f"axes must be a permutation of 0..3, got {(axis0, axis1, axis2, axis3)}")
+        if axis0 != 0 and lib.ggml_blck_size(a.type_id) > 1:  # blocks live along ne0: moving it corrupts the heap
+            _fail("permute", f"a quantized ({a.type}) tensor cannot move its ne0 (block) axis")
         self._reserve()
         out = self._wrap(lib.ggml_permute(self.handle, a.ptr, axis0, axis1, axis2, axis3))
         # source dim i moves to dim axis_i: the result spans the destinations of a's dims
@@ -155,7 +159,7 @@ class OpsMixin:
 
     def cont(self, a: "Tensor") -> "Tensor":
         self._same_ctx("cont", a)
-        self._reserve()
+        self._reserve(None)
         out = self._wrap(lib.ggml_cont(self.handle, a.ptr))
         out._ndim = a.ndim
         return out
@@ -169,7 +173,7 @@ class OpsMixin:
         for d in range(4):
             if d != dim and a.ne[d] != b.ne[d]:
                 _fail("concat", f"ne[{d}] differs: {a.ne} vs {b.ne}")
-        self._reserve()
+        self._reserve(None)
         out = self._wrap(lib.ggml_concat(self.handle, a.ptr, b.ptr, dim))
         out._ndim = max(a.ndim, b.ndim, dim + 1)
         return out
@@ -190,7 +194,7 @@ class OpsMixin:
         if a.ne[0] % lib.ggml_blck_size(t):
             _fail("cast", f"ne0={a.ne[0]} is not a multiple of the {type} block size")
         _check_convert("cast", a, t, True, int(lib.ggml_type_size(t)))
-        self._reserve()
+        self._reserve(None)
         out = self._wrap(lib.ggml_cast(self.handle, a.ptr, t))
         out._ndim = a.ndim
         return out
@@ -204,7 +208,7 @@ class OpsMixin:
             _fail(op, f"unsupported types a={a.type}, b={b.type} (f32/f16/bf16 alike, or f16/bf16 with f32)")
         if a.nb[0] != lib.ggml_type_size(a.type_id):
             _fail(op, f"a {a.name!r} must have packed rows (not transposed)")
-        self._reserve()
+        self._reserve(None)
         out = self._wrap(fn(self.handle, a.ptr, b.ptr))
         out._ndim = a.ndim
         return out
@@ -223,7 +227,7 @@ class OpsMixin:
         _check_type(op, a, types)
         if not _rows_contiguous(a):
             _fail(op, f"{a.name!r} must have packed rows (not transposed)")
-        self._reserve()
+        self._reserve(None)
         out = self._wrap(fn(self.handle, a.ptr, *args))
         out._ndim = a.ndim
         return out
@@ -254,7 +258,7 @@ class OpsMixin:
         if a.ne[2] != 1 or a.ne[3] != 1:
             _fail("argmax", f"needs a matrix, got ne={a.ne}")
         _check_type("argmax", a, (_F32,))
-        self._reserve()
+        self._reserve(None)
         out = self._wrap(lib.ggml_argmax(self.handle, a.ptr))
         out._ndim = 1
         return out
@@ -272,7 +276,7 @@ class OpsMixin:
             _fail("mul_mat", f"b must be f32 (or a's type for f16/bf16 a), got {b.type} with a {a.type}")
         if a.nb[0] != lib.ggml_type_size(a.type_id) or b.nb[0] != lib.ggml_type_size(b.type_id):
             _fail("mul_mat", "a and b must have packed rows (ggml_cont a transposed b first)")
-        self._reserve()
+        self._reserve(None)
         out = self._wrap(lib.ggml_mul_mat(self.handle, a.ptr, b.ptr))
         if prec_f32:
             lib.ggml_mul_mat_set_prec(out.ptr, lib.GGML_PREC_F32)
@@ -293,7 +297,7 @@ class OpsMixin:
                 _fail("soft_max_ext", f"mask {mask.ne} does not cover scores {a.ne}")
         elif max_bias > 0:
             _fail("soft_max_ext", "max_bias needs a mask")
-        self._reserve()
+        self._reserve(None)
         out = self._wrap(lib.ggml_soft_max_ext(self.handle, a.ptr, mask.ptr if mask is not None else ffi.NULL,
                                                _finite("soft_max_ext", "scale", scale), _finite("soft_max_ext", "max_bias", max_bias)))
         out._ndim = a.ndim
@@ -312,6 +316,8 @@ class OpsMixin:
         if mode not in _ROPE_MODES:
             _fail("rope_ext", f"mode must be 0 (normal) or {lib.GGML_ROPE_TYPE_NEOX} (NEOX), got {mode}")
         _check_type("rope_ext", a, (_F32, _F16))
+        if a.nb[0] != lib.ggml_type_size(a.type_id):  # the CPU kernel asserts nb0 == nb00
+            _fail("rope_ext", f"{a.name!r} must have packed rows (not transposed)")
         if n_dims <= 0 or n_dims % 2 or n_dims > a.ne[0]:
             _fail("rope_ext", f"n_dims must be even and in (0, ne0={a.ne[0]}], got {n_dims}")
         if freq_factors is not None and (freq_factors.type_id != _F32 or freq_factors.ne[0] < n_dims // 2):
@@ -319,7 +325,7 @@ class OpsMixin:
         args = [_finite("rope_ext", n, v) for n, v in (("freq_base", freq_base), ("freq_scale", freq_scale),
                                                         ("ext_factor", ext_factor), ("attn_factor", attn_factor),
                                                         ("beta_fast", beta_fast), ("beta_slow", beta_slow))]
-        self._reserve()
+        self._reserve(None)
         out = self._wrap(lib.ggml_rope_ext(self.handle, a.ptr, pos.ptr,
                                            freq_factors.ptr if freq_factors is not None else ffi.NULL,
                                            n_dims, mode, int(n_ctx_orig), *args))
@@ -330,6 +336,13 @@ class OpsMixin:
                        max_bias: float = 0.0, logit_softcap: float = 0.0, prec_f32: bool = False) -> "Tensor":
         """q [D, n_q, H, 1], k/v [D, n_kv, H_kv, 1], mask f16 [n_kv, >= n_q] -> [D, H, n_q, 1]."""
         self._same_ctx("flash_attn_ext", q, k, v, mask)
+        # the CPU kernel reads q as f32 and needs a dot product for k's type / a conversion for v's
+        # (an i32 k would call a NULL vec_dot: a segfault, not an abort)
+        _check_type("flash_attn_ext", q, (_F32,), "q")
+        _check_type("flash_attn_ext", k, _FLOAT + _QUANT, "k")
+        _check_type("flash_attn_ext", v, _FLOAT + _QUANT, "v")
+        if any(t.nb[0] != lib.ggml_type_size(t.type_id) for t in (q, k, v)):
+            _fail("flash_attn_ext", "q, k and v must have packed rows (not transposed)")
         eq, ek, ev = q.ne, k.ne, v.ne
         if eq[0] != ek[0]:
             _fail("flash_attn_ext", f"q head size {eq[0]} != k head size {ek[0]}")
@@ -349,7 +362,7 @@ class OpsMixin:
                 _fail("flash_attn_ext", f"mask {em} does not match k rows {ek[1]} x queries {eq[1]}")
         elif max_bias > 0:
             _fail("flash_attn_ext", "max_bias needs a mask")
-        self._reserve()
+        self._reserve(None)
         out = self._wrap(lib.ggml_flash_attn_ext(self.handle, q.ptr, k.ptr, v.ptr,
                                                  mask.ptr if mask is not None else ffi.NULL,
                                                  _finite("flash_attn_ext", "scale", scale),
@@ -369,6 +382,8 @@ class OpsMixin:
             _fail("set_rows", f"source rows must be f32, got {b.type}")
         if rows.type_id not in (_I32, _I64):
             _fail("set_rows", f"row indices must be i32 or i64, got {rows.type}")
+        # the CPU kernel converts with the destination type's from_float (NULL for i8/i16/i64/f64: a segfault)
+        _check_type("set_rows", a, _FLOAT + _QUANT + (_I32,), "destination")
         if ea[0] != eb[0] or ea[2] != eb[2] or ea[3] != eb[3]:
             _fail("set_rows", f"destination {ea} and source {eb} rows differ")
         if eb[1] != ec[0] or eb[2] % ec[1] or eb[3] % ec[2] or ec[3] != 1:
@@ -388,7 +403,7 @@ class OpsMixin:
         _check_type("get_rows", a, _FLOAT + _QUANT + (_I32,), "data")
         if a.ne[2] != rows.ne[1] or a.ne[3] != rows.ne[2] or rows.ne[3] != 1:
             _fail("get_rows", f"indices {rows.ne} do not match data {a.ne}")
-        self._reserve()
+        self._reserve(None)
         out = self._wrap(lib.ggml_get_rows(self.handle, a.ptr, rows.ptr))
         out._ndim = max(2, a.ndim)
         return out

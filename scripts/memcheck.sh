@@ -3,6 +3,8 @@
 #
 #   scripts/memcheck.sh                 build the valgrind-friendly ggml once, then run
 #   MEMCHECK_STEPS=40 scripts/memcheck.sh
+#   MEMCHECK_SCRIPT=tests/test_hardening.py PYGGML_DKV_FUZZ_SCALE=0.25 scripts/memcheck.sh ggml_ops /tmp/ops.log
+#                                       (any script: here one fuzz group of tests/test_hardening.py)
 #
 # valgrind cannot execute AVX-512, and the package's ggml is built with GGML_NATIVE=ON, so this
 # builds a second copy of the pinned ggml (vendor/ggml) with AVX2/FMA/F16C only and debug info
@@ -32,8 +34,10 @@ if [ ! -f "$PREFIX/lib/libggml-cpu.so" ]; then
 fi
 
 cd "$ROOT"
+SUPP="--suppressions=$ROOT/scripts/valgrind-python.supp"
+[ "${MEMCHECK_NO_SUPP:-0}" = 1 ] && SUPP=""
 exec env PYTHONMALLOC=malloc LD_LIBRARY_PATH="$PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     valgrind --tool=memcheck --error-exitcode=99 --errors-for-leak-kinds=none --leak-check=no \
-    --track-origins=no --num-callers=30 --suppressions="$ROOT/scripts/valgrind-python.supp" \
+    --track-origins=no --num-callers=30 ${SUPP} \
     ${VALGRIND_EXTRA:-} \
-    "$PYTHON" "$ROOT/scripts/memcheck_trajectory.py" "$@"
+    "$PYTHON" "${MEMCHECK_SCRIPT:-$ROOT/scripts/memcheck_trajectory.py}" "$@"

@@ -85,7 +85,9 @@ def main() -> int:
     backend.close()
     left = {k: v for k, v in live_objects().items() if v}
     assert not left, left
-    print(f"memcheck trajectory ok: {steps} steps", flush=True)
+    with open("/proc/self/maps") as maps:
+        libs = sorted({line.split()[-1] for line in maps if "libggml-cpu" in line})
+    print(f"memcheck trajectory ok: {steps} steps (ggml CPU library: {', '.join(libs)})", flush=True)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -35,10 +36,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
         terminalreporter.write_line(f"{comparison:<28} {precision:<22} {error:.3e}   ({case})")
 
 
+# ggml's CPU threads spin on a barrier after every op: on a shared, busy machine a descheduled
+# spinner turns a millisecond step into hundreds. Tests check results, not speed, so they use one
+# thread unless asked (PYGGML_DKV_TEST_THREADS); test_threads_agree covers multi-threaded compute.
+TEST_THREADS = int(os.environ.get("PYGGML_DKV_TEST_THREADS", "1"))
+
+
 @pytest.fixture(scope="session")
 def cpu():
     from pyggml_dkv import Backend
 
-    backend = Backend("cpu")
+    backend = Backend("cpu", n_threads=TEST_THREADS)
     yield backend
     backend.close()

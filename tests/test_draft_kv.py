@@ -327,3 +327,16 @@ def test_invalid_arguments(small, cpu):
     with pytest.raises(GGMLError, match="closed"):
         c.step(ring, 5, noise)
     c.close()  # idempotent
+
+
+def test_threads_agree(cpu):
+    """The suite runs ggml on one thread; the same steps on two threads give the same answers."""
+    from pyggml_dkv import Backend
+
+    cfg, w = make({"n_head": 4, "n_head_kv": 1, "block_size": 16})  # folded GQA: the tiled attention kernel
+    ring, feats = feature_ring(cfg, 300)
+    noise = noise_for(cfg)
+    with Backend("cpu", n_threads=2) as two, w.to_backend(cpu, "f32") as bw1, w.to_backend(two, "f32") as bw2, \
+            DraftKvCache(bw1, cpu, 100, cache_type="f32") as c1, DraftKvCache(bw2, two, 100, cache_type="f32") as c2:
+        for committed in (5, 40, 41, 150, 300):
+            assert relative_error(c2.step(ring, committed, noise), c1.step(ring, committed, noise)) < 1e-5

@@ -161,7 +161,7 @@ def test_speculative_decoding_is_lossless_for_every_acceptance_length():
 
 def test_toy_example_runs_lossless_with_the_real_drafter(tmp_path, capsys):
     out = tmp_path / "report.json"
-    rc = toy_drafter.main(["--max-new-tokens", "40", "--cap", "64", "--block-size", "8", "--json", str(out)])
+    rc = toy_drafter.main(["--threads", "1", "--max-new-tokens", "40", "--cap", "64", "--block-size", "8", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["lossless"] is True and report["new_tokens"] == 40
@@ -173,5 +173,5 @@ def test_toy_example_with_a_checkpoint(tmp_path):
     tcfg = ToyTargetConfig()
     w = DraftWeights.random(toy_drafter.drafter_config(tcfg, 8), seed=5)
     w.save_pretrained(tmp_path / "ckpt")
-    assert toy_drafter.main(["--checkpoint", str(tmp_path / "ckpt"), "--max-new-tokens", "20", "--cap", "48",
+    assert toy_drafter.main(["--threads", "1", "--checkpoint", str(tmp_path / "ckpt"), "--max-new-tokens", "20", "--cap", "48",
                              "--no-oneshot"]) == 0
