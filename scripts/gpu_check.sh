@@ -11,6 +11,8 @@
 #   4. runs the step benchmark (qwen3-8b shape, windows 64..4096, ring cache f16/q8_0 vs one-shot)
 #      with CUDA graphs (default) and without (GGML_CUDA_DISABLE_GRAPHS=1).
 # Budget: 8 minutes on 16 cores; every phase prints a timestamped progress line.
+# Dry-run here (no GPU, CUDA_ARCHITECTURES=90): phases 1-3 pass (GPU tests skip), phase 4 stops
+# with BackendUnavailableError, as it must without a device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
@@ -34,7 +36,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import pyggml_dkv; print(pyggml_dkv.available_backends())"
 
 phase "3/4 parity on the CUDA backend"
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py --junitxml="$OUT/test_cuda.xml" 2>&1 | tail -n 25
+# keep going on failure: the benchmark figures are worth having either way
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py --junitxml="$OUT/test_cuda.xml" 2>&1 | tail -n 25 \
+    || echo "gpu_check: PARITY TESTS FAILED (details above and in $OUT/test_cuda.xml)"
 
 phase "4/4 step benchmark, CUDA graphs on, then off"
 BENCH=(python3 benchmarks/bench_step.py --backend cuda:0 --configs qwen3-8b --windows 64,256,1024,2048,4096
