@@ -58,6 +58,19 @@ def _check_backend_match(weights: BackendWeights, backend: Backend) -> None:
         raise ValueError(f"weights live on {weights.backend.spec}, but the cache was asked to run on {backend.spec}")
 
 
+def check_drafter_args(weights: Any, backend: Backend, cap: Any, cache_type: str, swa: str) -> None:
+    """The constructor arguments DraftKvCache and OneShotDrafter share."""
+    if not isinstance(weights, BackendWeights):
+        raise TypeError("weights must be BackendWeights (DraftWeights.to_backend(backend, dtype))")
+    _check_backend_match(weights, backend)
+    if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or not 1 <= cap <= MAX_CAP:
+        raise ValueError(f"cap must be an int in [1, {MAX_CAP}], got {cap!r}")
+    if cache_type not in CACHE_TYPES:
+        raise ValueError(f"cache_type must be one of {CACHE_TYPES}, got {cache_type!r}")
+    if swa not in SWA_MODES:
+        raise ValueError(f"swa must be one of {SWA_MODES}, got {swa!r}")
+
+
 class DraftKvCache:
     """Context-KV ring cache + the once-built step graph of a DFlash drafter."""
 
@@ -75,15 +88,7 @@ class DraftKvCache:
         arrays (uploaded in the weights' dtype) or uploaded Tensors. With `embed_tokens` the step
         takes token ids (`inp_tokens`) and looks their embeddings up inside the graph; with
         `lm_head` the graph also yields `logits` and their per-row argmax `draft_ids`."""
-        if not isinstance(weights, BackendWeights):
-            raise TypeError("weights must be BackendWeights (DraftWeights.to_backend(backend, dtype))")
-        _check_backend_match(weights, backend)
-        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or not 1 <= cap <= MAX_CAP:
-            raise ValueError(f"cap must be an int in [1, {MAX_CAP}], got {cap!r}")
-        if cache_type not in CACHE_TYPES:
-            raise ValueError(f"cache_type must be one of {CACHE_TYPES}, got {cache_type!r}")
-        if swa not in SWA_MODES:
-            raise ValueError(f"swa must be one of {SWA_MODES}, got {swa!r}")
+        check_drafter_args(weights, backend, cap, cache_type, swa)
         cfg: DraftConfig = weights.cfg
         self.cfg = cfg
         self.weights = weights

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import graph as G
 from .backend_weights import BackendWeights, upload_matrix
-from .draft_kv import CACHE_TYPES, MAX_CAP, SWA_MODES, _check_backend_match
+from .draft_kv import check_drafter_args
 from .features import FeatureRing
 from .ggml import Backend, Buffer, Context, Gallocr, GGMLError, Graph, Tensor
 
@@ -73,15 +73,7 @@ class OneShotDrafter:
 
     def __init__(self, weights: BackendWeights, backend: Backend, cap: int, lm_head: Any = None,
                  cache_type: str = "f16", swa: str = "seed") -> None:
-        if not isinstance(weights, BackendWeights):
-            raise TypeError("weights must be BackendWeights (DraftWeights.to_backend(backend, dtype))")
-        _check_backend_match(weights, backend)
-        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or not 1 <= cap <= MAX_CAP:
-            raise ValueError(f"cap must be an int in [1, {MAX_CAP}], got {cap!r}")
-        if cache_type not in CACHE_TYPES:
-            raise ValueError(f"cache_type must be one of {CACHE_TYPES}, got {cache_type!r}")
-        if swa not in SWA_MODES:
-            raise ValueError(f"swa must be one of {SWA_MODES}, got {swa!r}")
+        check_drafter_args(weights, backend, cap, cache_type, swa)
         self.cfg = weights.cfg
         self.weights = weights
         self.backend = backend
