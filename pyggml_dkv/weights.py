@@ -118,9 +118,9 @@ class DraftWeights(Mapping[str, np.ndarray]):
         for name, shape in expected_shapes(cfg).items():
             if is_norm(name):
                 tensors[name] = rng.uniform(0.5, 1.5, size=shape).astype(np.float32)
-            else:
-                fan_in = shape[1]
-                tensors[name] = (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+            else:  # drawn in float32 in place: a qwen3-8b-sized drafter has ~1e9 parameters
+                tensors[name] = rng.standard_normal(shape, dtype=np.float32)
+                tensors[name] *= np.float32(1.0 / np.sqrt(shape[1]))
         return cls(cfg, tensors)
 
     @classmethod
