@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -268,11 +270,17 @@ class DraftKvCache:
 
     def reset(self) -> None:
         """Forget every cached row (new or rewound request). Cheap: no device work."""
-        if not self._lock.acquire(blocking=False):  # a reset in the middle of a step would corrupt it
-            raise RuntimeError("this DraftKvCache is being stepped from another thread; reset it from that thread")
-        try:
+        with self._exclusive("reset it from that thread"):  # a reset in the middle of a step would corrupt it
             self._check_usable()
             self._reset()
+
+    @contextmanager
+    def _exclusive(self, advice: str) -> Iterator[None]:
+        """Hold the cache for one operation; a second thread gets a clear error, never a corrupt state."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"this DraftKvCache is being stepped from another thread; {advice}")
+        try:
+            yield
         finally:
             self._lock.release()
 
@@ -407,9 +415,7 @@ class DraftKvCache:
 
     def step(self, ring: FeatureRing, committed: int, noise_embed: np.ndarray) -> np.ndarray:
         """One draft step: hidden states (q_len, hidden), or logits (q_len, vocab) with an lm_head."""
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError("this DraftKvCache is being stepped from another thread; use one cache per thread")
-        try:
+        with self._exclusive("use one cache per thread"):
             self._check_usable()
             if self.inp_embed is None:
                 raise GGMLError("this cache takes token ids (it was built with embed_tokens): use step_tokens()")
@@ -425,16 +431,11 @@ class DraftKvCache:
             self.compute()
             out = self.logits if self.logits is not None else self.hidden_states
             return out.numpy()
-        finally:
-            self._lock.release()
-
 
     def step_tokens(self, ring: FeatureRing, committed: int, tokens: Any, output: str = "ids") -> np.ndarray:
         """One draft step from token ids (needs embed_tokens): `output` "ids" (per-row argmax,
         needs lm_head), "logits" or "hidden"."""
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError("this DraftKvCache is being stepped from another thread; use one cache per thread")
-        try:
+        with self._exclusive("use one cache per thread"):
             self._check_usable()
             if self.inp_tokens is None:
                 raise GGMLError("this cache takes embeddings (built without embed_tokens): use step()")
@@ -453,8 +454,6 @@ class DraftKvCache:
             self.compute()
             out = {"ids": self.draft_ids, "logits": self.logits, "hidden": self.hidden_states}[output]
             return out.numpy()  # type: ignore[union-attr]
-        finally:
-            self._lock.release()
 
 
 # ---------------------------------------------------------------------- C-style drop-in API

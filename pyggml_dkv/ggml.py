@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -945,8 +945,3 @@ class Graph:
 
 def version() -> str:
     return ffi.string(lib.ggml_version()).decode()
-
-
-def check_shapes_equal(what: str, got: Sequence[int], want: Sequence[int]) -> None:
-    if tuple(got) != tuple(want):
-        raise ValueError(f"{what}: expected shape {tuple(want)}, got {tuple(got)}")

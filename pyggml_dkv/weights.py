@@ -86,7 +86,7 @@ class DraftWeights(Mapping[str, np.ndarray]):
             if arr.dtype.kind != "f":
                 raise WeightsError(f"{name}: expected a floating-point array, got dtype {arr.dtype}")
             if arr.shape != shape:
-                raise WeightsError(f"{name}: expected shape {shape}, got {arr.shape}")
+                raise WeightsError(f"tensor {name!r} has shape {arr.shape}, config needs {shape}")
             arr = np.ascontiguousarray(arr, dtype=np.float32)
             if not np.isfinite(arr).all():
                 raise WeightsError(f"{name}: contains NaN or inf")
