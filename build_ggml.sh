@@ -100,6 +100,8 @@ CMAKE_ARGS=(
     -DCMAKE_BUILD_TYPE="${GGML_BUILD_TYPE:-Release}"
     -DBUILD_SHARED_LIBS=ON
     -DGGML_NATIVE=ON
+    # llamafile's tinyBLAS kernels: ~1.5x faster q8_0 matrix products at a draft block's 16-50 rows
+    -DGGML_LLAMAFILE=ON
     -DGGML_BUILD_TESTS=OFF
     -DGGML_BUILD_EXAMPLES=OFF
     -DGGML_CCACHE=OFF

@@ -338,6 +338,7 @@ class OpProfiler:
         overhead = float(np.median(noop)) if noop else 0.0
         groups: dict[str, float] = {}
         by_weight: dict[str, float] = {}
+        by_op: dict[str, float] = {}  # the other ops, by ggml op
         for lab in self.labels:
             if lab["kind"] == "no-op":
                 continue
@@ -347,11 +348,14 @@ class OpProfiler:
             if lab["kind"] == "matmul":
                 wk = f"{lab['phase']}:{lab['weight']}"
                 by_weight[wk] = by_weight.get(wk, 0.0) + t
+            elif lab["kind"] in ("elementwise", "copy/rows"):
+                by_op[lab["op"]] = by_op.get(lab["op"], 0.0) + t
         total = sum(groups.values())
         return {"overhead_per_node_ms": 1e3 * overhead, "n_nodes": self.n,
                 "n_compute_nodes": sum(1 for l in self.labels if l["kind"] != "no-op"),
                 "groups_ms": {k: 1e3 * v for k, v in sorted(groups.items())},
                 "matmul_by_weight_ms": {k: 1e3 * v for k, v in sorted(by_weight.items())},
+                "other_by_op_ms": {k: 1e3 * v for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
                 "sum_ms": 1e3 * total}
 
 
@@ -743,6 +747,8 @@ def print_report(results: list[dict], machine: dict, args: argparse.Namespace) -
             if last:
                 p(f"matmuls by weight @W={r['windows'][-1]['window']} (kv_f16): "
                   + ", ".join(f"{k}={v:.2f}" for k, v in last["matmul_by_weight_ms"].items()))
+                p(f"other ops by ggml op @W={r['windows'][-1]['window']} (kv_f16): "
+                  + ", ".join(f"{k}={v:.2f}" for k, v in last["other_by_op_ms"].items()))
                 p(f"per-node launch overhead ~{last['overhead_per_node_ms'] * 1e3:.0f} us x {last['n_compute_nodes']} compute nodes (subtracted)")
         p("\ntargets (issue #5):")
         for t in r["targets"]:

@@ -1,4 +1,4 @@
-"""BackendWeights: a drafter's parameters uploaded once into one backend buffer."""
+"""BackendWeights: a drafter's parameters uploaded once into backend buffers."""
 
 from __future__ import annotations
 
@@ -7,26 +7,41 @@ import logging
 import numpy as np
 
 from .config import DraftConfig
-from .ggml import Backend, Buffer, Context, Tensor, ggml_type, lib
+from .ggml import AMX_TYPES, Backend, Buffer, Context, Tensor, amx_available, cpu_extra_buffer_types, ggml_type, lib
 from .weights import DraftWeights, is_norm
 
 log = logging.getLogger(__name__)
 
 WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0")
+# ggml's AMX matrix product works on 32-column output blocks of whole 32-value input blocks
+AMX_BLOCK = 32
+
+
+def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: int) -> bool:
+    """Can an (out, in) `dtype` matrix on `backend` use ggml's AMX kernels (q8_0 on AMX Xeons)?"""
+    return (backend.is_cpu and dtype in AMX_TYPES and amx_available()
+            and out_features % AMX_BLOCK == 0 and in_features % AMX_BLOCK == 0)
 
 
 class BackendWeights:
     """Matrices stored as `dtype` (f32, f16, bf16, q8_0), norm vectors always f32.
 
     `tensors[name]` is the ggml Tensor of checkpoint tensor `name`; `host` the DraftWeights
-    they came from. Close it (or use `with`) to free the buffer.
+    they came from. Close it (or use `with`) to free the buffers.
+
+    With `repack` (default) and q8_0 weights on a CPU with AMX, the matrices go to ggml's AMX
+    buffer, which lays them out for its int8 tile kernels as they are uploaded (about 3x faster
+    matrix products than the generic q8_0 path). Those tensors cannot be read back
+    (`Tensor.numpy()` raises); `host` still has the values.
     """
 
-    def __init__(self, weights: DraftWeights, backend: Backend, dtype: str = "f16") -> None:
+    def __init__(self, weights: DraftWeights, backend: Backend, dtype: str = "f16", repack: bool = True) -> None:
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"expected DraftWeights, got {type(weights).__name__}")
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+        if not isinstance(repack, bool):
+            raise TypeError(f"repack must be a bool, got {type(repack).__name__}")
         cfg = weights.cfg
         if dtype == "q8_0":
             block = int(lib.ggml_blck_size(ggml_type("q8_0")))
@@ -37,21 +52,34 @@ class BackendWeights:
         self.host = weights
         self.backend = backend
         self.dtype = dtype
-        self.ctx = Context(n_tensors=len(weights) + 1)
+        self.repack = repack
+        # every weight matrix is only ever the matrix of a mul_mat, so all that fit may be repacked
+        repacked = {n for n, a in weights.items()
+                    if repack and a.ndim == 2 and not is_norm(n) and amx_eligible(backend, dtype, *a.shape)}
+        self.ctx = Context(n_tensors=len(weights) - len(repacked) + 1)
+        self.repacked_ctx = Context(n_tensors=len(repacked) + 1)
         self.tensors: dict[str, Tensor] = {}
         for name, arr in weights.items():
             ty = "f32" if is_norm(name) or arr.ndim == 1 else dtype
+            ctx = self.repacked_ctx if name in repacked else self.ctx
             # ggml order is the reverse of numpy's: (out, in) -> [in, out]
-            self.tensors[name] = self.ctx.new_tensor(ty, *reversed(arr.shape), name=name[-63:])
-        self.buffer = Buffer.alloc_ctx_tensors(self.ctx, backend)
-        self.buffer.set_usage_weights()
+            self.tensors[name] = ctx.new_tensor(ty, *reversed(arr.shape), name=name[-63:])
+        self.buffers: list[Buffer] = []
+        if len(repacked) < len(weights):
+            self.buffers.append(Buffer.alloc_ctx_tensors(self.ctx, backend))
+        if repacked:
+            self.buffers.append(Buffer.alloc_ctx_tensors_from_buft(self.repacked_ctx, cpu_extra_buffer_types()["AMX"], backend))
+        for buf in self.buffers:
+            buf.set_usage_weights()
         for name, arr in weights.items():
             self.tensors[name].set(arr)
-        log.debug("uploaded %d tensors (%.1f MiB, %s) to %s", len(weights), self.buffer.size / 2**20, dtype, backend.spec)
+        self.n_repacked = len(repacked)
+        log.debug("uploaded %d tensors (%.1f MiB, %s, %d repacked for AMX) to %s",
+                  len(weights), self.nbytes / 2**20, dtype, self.n_repacked, backend.spec)
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.size
+        return sum(b.size for b in self.buffers)
 
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]
@@ -61,11 +89,13 @@ class BackendWeights:
 
     @property
     def closed(self) -> bool:
-        return self.buffer.closed
+        return self.ctx.closed
 
     def close(self) -> None:
-        self.buffer.close()
+        for buf in self.buffers:
+            buf.close()
         self.ctx.close()
+        self.repacked_ctx.close()
 
     def __enter__(self) -> "BackendWeights":
         return self
@@ -74,8 +104,13 @@ class BackendWeights:
         self.close()
 
 
-def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str) -> tuple[Tensor, Buffer]:
-    """Upload one (out, in) matrix (e.g. an lm_head or token embedding) into its own buffer."""
+def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,
+                  matmul_only: bool = False) -> tuple[Tensor, Buffer]:
+    """Upload one (out, in) matrix (e.g. an lm_head or token embedding) into its own buffer.
+
+    `matmul_only`: the matrix is only ever multiplied (an lm_head, not an embedding table read
+    with get_rows), so it may be repacked for AMX like BackendWeights' matrices.
+    """
     arr = np.asarray(array)
     if arr.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D (out, in) array, got shape {arr.shape}")
@@ -87,7 +122,10 @@ def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str) ->
         dtype = "f16"
     ctx = Context(n_tensors=1)
     t = ctx.new_tensor(dtype, arr.shape[1], arr.shape[0], name=name)
-    buf = Buffer.alloc_ctx_tensors(ctx, backend)
+    if matmul_only and amx_eligible(backend, dtype, *arr.shape):
+        buf = Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()["AMX"], backend)
+    else:
+        buf = Buffer.alloc_ctx_tensors(ctx, backend)
     buf.set_usage_weights()
     t.set(arr)
     return t, buf

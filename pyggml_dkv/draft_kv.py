@@ -152,7 +152,8 @@ class DraftKvCache:
             raise ValueError(f"{name} must be a (vocab, hidden={cfg.hidden}) array, got shape {arr.shape}")
         if cfg.vocab is not None and arr.shape[0] != cfg.vocab:
             raise ValueError(f"{name} has {arr.shape[0]} rows, the config says vocab={cfg.vocab}")
-        tensor, buf = upload_matrix(self.backend, arr, self.weights.dtype, name)
+        tensor, buf = upload_matrix(self.backend, arr, self.weights.dtype, name,
+                                   matmul_only=name == "lm_head" and self.weights.repack)
         self._own(tensor.ctx)  # its metadata context too (closed after the buffer): nothing outlives close()
         self._own(buf)
         return tensor

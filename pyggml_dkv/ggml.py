@@ -220,6 +220,35 @@ def default_n_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+# The CPU backend's "extra" buffer types rewrite a weight matrix into the layout of a faster kernel
+# as it is uploaded (AMX: int8 tiles for q8_0 / q4_0 on Xeons with AMX). Tensors stored there can
+# only be written whole and used as the matrix of a matrix product: ggml cannot read them back.
+REPACKING_BUFFER_TYPES = ("AMX", "CPU_REPACK")
+# weight types with AMX kernels in ggml (amx/common.h: qtype_has_amx_kernels) that we can quantize
+AMX_TYPES = ("q8_0", "q4_0")
+
+
+@functools.cache
+def cpu_extra_buffer_types() -> dict[str, Any]:
+    """Name -> buffer type of the extra buffer types this CPU offers (e.g. {"AMX": ..., "CPU_REPACK": ...})."""
+    reg = lib.ggml_backend_cpu_reg()
+    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if fn == ffi.NULL:
+        return {}
+    bufts = ffi.cast("ggml_backend_dev_get_extra_bufts_t", fn)(lib.ggml_backend_reg_dev_get(reg, 0))
+    found: dict[str, Any] = {}
+    i = 0
+    while bufts != ffi.NULL and bufts[i] != ffi.NULL:
+        found[ffi.string(lib.ggml_backend_buft_name(bufts[i])).decode()] = bufts[i]
+        i += 1
+    return found
+
+
+def amx_available() -> bool:
+    """True when ggml was built with AMX kernels and this CPU and kernel let us use them."""
+    return "AMX" in cpu_extra_buffer_types() and os.environ.get("PYGGML_DKV_NO_AMX", "") in ("", "0")
+
+
 class Backend(_Owned):
     """A ggml compute backend: "cpu", "cuda" / "cuda:N", or "rpc:HOST:PORT"."""
 
@@ -553,6 +582,16 @@ class Tensor:
         if not self.is_contiguous:
             raise GGMLError(f"tensor {self.name!r} is a non-contiguous view; copy it with ggml_cont first")
 
+    @property
+    def is_repacked(self) -> bool:
+        """Stored in a repacking buffer (e.g. AMX): written whole with set(), never read back."""
+        return _reads_repacked(self.ptr)
+
+    def _check_partial_io(self, what: str) -> None:
+        if self.is_repacked:
+            raise GGMLError(f"cannot {what} tensor {self.name!r}: it is stored repacked for a CPU kernel "
+                            "(AMX buffer), so it can only be written whole with set(), never read back")
+
     def _to_bytes(self, array: Any) -> Any:
         """Convert `array` to this tensor's storage bytes, checking dtype and shape."""
         arr = np.asarray(array)
@@ -585,6 +624,8 @@ class Tensor:
     def set(self, array: Any) -> None:
         """Upload a numpy array of shape `self.shape` (converted to the tensor's type)."""
         self._check_io()
+        if self.ptr.view_src != ffi.NULL:
+            self._check_partial_io("write a view of")
         data = self._to_bytes(array)
         if data.nbytes != self.nbytes:  # pragma: no cover - guarded by the shape check
             raise GGMLError(f"size mismatch writing {self.name!r}: {data.nbytes} != {self.nbytes}")
@@ -593,6 +634,7 @@ class Tensor:
     def set_bytes(self, data: np.ndarray, offset: int = 0) -> None:
         """Upload raw storage bytes (already in the tensor's type) at a byte offset."""
         self._check_io()
+        self._check_partial_io("write raw bytes into")
         data = np.ascontiguousarray(data)
         if offset < 0 or offset + data.nbytes > self.nbytes:
             raise ValueError(f"write of {data.nbytes} bytes at offset {offset} exceeds tensor {self.name!r} ({self.nbytes} bytes)")
@@ -601,6 +643,7 @@ class Tensor:
     def numpy(self) -> np.ndarray:
         """Download a copy: float32 for every floating type (exact; quantized types dequantized), intN for ints."""
         self._check_io()
+        self._check_partial_io("read")
         ty = self.type
         raw = np.empty(self.nbytes, dtype=np.uint8)
         lib.ggml_backend_tensor_get(self.ptr, ffi.from_buffer(raw), 0, raw.nbytes)
@@ -623,6 +666,7 @@ class Tensor:
     def fill(self, value: int) -> None:
         """Set every byte of the tensor's data to `value` (0..255)."""
         self._check_io()
+        self._check_partial_io("fill")
         lib.ggml_backend_tensor_memset(self.ptr, value & 0xFF, 0, self.nbytes)
 
 
@@ -658,11 +702,20 @@ def dequantize(type_name: str, raw: np.ndarray, n: int) -> np.ndarray:
 # a graph remembers (address, token) pairs, and tensors placed in a freed buffer are detached
 # (data = buffer = NULL) where we can reach them: nothing may read, write or compute freed memory.
 _live_buffers: dict[int, int] = {}
+# the live buffers whose tensors were repacked on upload (REPACKING_BUFFER_TYPES): write-whole, never read
+_repacked_buffers: set[int] = set()
 _tokens = itertools.count(1)
 
 
 def _addr(ptr: Any) -> int:
     return int(ffi.cast("uintptr_t", ptr))
+
+
+def _reads_repacked(p: Any) -> bool:
+    """Does tensor `p` (or the tensor it views) live in a repacking buffer?"""
+    base = p.view_src if p.view_src != ffi.NULL else p
+    return bool(_repacked_buffers) and any(
+        t.buffer != ffi.NULL and _addr(t.buffer) in _repacked_buffers for t in (p, base))
 
 
 def _detach(ptrs: Iterator[Any], addrs: "set[int] | None") -> None:
@@ -684,6 +737,9 @@ class Buffer(_Owned):
         _live_buffers[_addr(handle)] = next(_tokens)
         self.backend = backend
         self.ctx = ctx  # keep the tensors' metadata alive as long as their data
+        self.repacked = self.name in REPACKING_BUFFER_TYPES
+        if self.repacked:
+            _repacked_buffers.add(_addr(handle))
 
     @staticmethod
     def _free_handle(handle: Any, ctx_ref: Any = None) -> None:
@@ -691,6 +747,7 @@ class Buffer(_Owned):
         if ctx is not None and not ctx.closed:  # its tensors must not point at freed memory
             _detach((t.ptr for t in ctx.tensors()), {_addr(handle)})
         _live_buffers.pop(_addr(handle), None)
+        _repacked_buffers.discard(_addr(handle))
         lib.ggml_backend_buffer_free(handle)
 
     @classmethod
@@ -701,6 +758,16 @@ class Buffer(_Owned):
         if all(t.is_allocated for t in ctx.tensors()):
             raise GGMLError("the context has no unallocated tensors to place in a buffer")
         handle = lib.ggml_backend_alloc_ctx_tensors(ctx.handle, backend.handle)
+        return cls(handle, backend, ctx)
+
+    @classmethod
+    def alloc_ctx_tensors_from_buft(cls, ctx: Context, buffer_type: Any, backend: Backend) -> "Buffer":
+        """Like alloc_ctx_tensors, in a buffer of `buffer_type` (e.g. one of cpu_extra_buffer_types())."""
+        if not ctx.no_alloc:
+            raise GGMLError("alloc_ctx_tensors_from_buft needs a no_alloc context")
+        if all(t.is_allocated for t in ctx.tensors()):
+            raise GGMLError("the context has no unallocated tensors to place in a buffer")
+        handle = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx.handle, buffer_type)
         return cls(handle, backend, ctx)
 
     @classmethod
@@ -779,6 +846,7 @@ class Gallocr(_Owned):
     def alloc_graph(self, graph: "Graph") -> None:
         """Assign every intermediate tensor of `graph` an address in this allocator's buffer."""
         graph._check_nonempty()
+        graph.check_repacked_reads(self.backend)
         handle = self.handle
         for _ in range(2):
             before = self.buffer_size
@@ -866,6 +934,29 @@ class Graph:
         self._seen |= new
         self._ctxs |= ctxs
         return tensor
+
+    def check_repacked_reads(self, backend: Backend) -> None:
+        """Refuse a graph that would read repacked weights (AMX buffer) where ggml has no kernel for them.
+
+        Only a matrix product whose matrix is the whole repacked tensor, on a CPU backend that
+        accepts that product, may read one; anything else would compute on the kernel-specific
+        layout and return garbage without an error.
+        """
+        if not _repacked_buffers:
+            return
+        for node in self.nodes():
+            p = node.ptr
+            for i in range(10):
+                src = p.src[i]
+                if src == ffi.NULL or not _reads_repacked(src):
+                    continue
+                name = ffi.string(src.name).decode()
+                ok = (node.op == "MUL_MAT" and i == 0 and src.view_src == ffi.NULL and backend.is_cpu
+                      and backend.supports(node))
+                if not ok:
+                    raise GGMLError(f"{node.op} node {node.name!r} reads {name!r}, which is stored repacked for AMX: "
+                                    "only a matrix product (mul_mat) of the whole tensor by contiguous f32 rows on the "
+                                    "CPU backend can use it; upload that tensor with repack=False")
 
     def _ctxs_open(self) -> bool:
         return not any(c.closed for c in self._ctxs)

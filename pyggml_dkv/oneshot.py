@@ -92,7 +92,7 @@ class OneShotDrafter:
                 arr = np.asarray(lm_head)
                 if arr.ndim != 2 or arr.shape[1] != self.cfg.hidden:
                     raise ValueError(f"lm_head must be a (vocab, hidden={self.cfg.hidden}) array, got shape {arr.shape}")
-                self.lm_head, self._lm_buf = upload_matrix(backend, arr, weights.dtype, "lm_head")
+                self.lm_head, self._lm_buf = upload_matrix(backend, arr, weights.dtype, "lm_head", matmul_only=weights.repack)
         self._wg: _WindowGraph | None = None
         self.n_builds = 0
         self._closed = False

@@ -136,8 +136,8 @@ class DraftWeights(Mapping[str, np.ndarray]):
 
         save_checkpoint(self, path, dtype=dtype)
 
-    def to_backend(self, backend: "Backend", dtype: str = "f16") -> "BackendWeights":
-        """Upload once into one backend buffer. Matrices in `dtype`, norms stay f32."""
+    def to_backend(self, backend: "Backend", dtype: str = "f16", repack: bool = True) -> "BackendWeights":
+        """Upload once to the backend. Matrices in `dtype`, norms stay f32 (see BackendWeights for `repack`)."""
         from .backend_weights import BackendWeights
 
-        return BackendWeights(self, backend, dtype)
+        return BackendWeights(self, backend, dtype, repack)

@@ -267,6 +267,37 @@ def test_flash_attn_ext_gqa_with_mask(be, rng, prec_f32):
     assert relative_error(got[0], want) < 3e-3, relative_error(got[0], want)
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads):
+    """64+ query rows per head: ggml's tiled CPU kernel (with our vector tile-prep patch, vendor/patches/0003).
+
+    203 keys = three whole 64-key tiles + a partial one (vector and scalar tails), a fully masked
+    64-key tile (skipped), a query row that sees one key only, and a second K/V head.
+    """
+    d, n_q, n_head, n_kv = 64, 70, 2, 203
+    q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((n_kv, n_head, d)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_head, d)).astype(np.float32)
+    if kv_type == "f16":  # the reference sees exactly the values ggml stores
+        k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+    visible = rng.random((n_q, n_kv)) < 0.7
+    visible[:, 0] = True
+    visible[:, 64:128] = False  # a whole tile masked for every row: skipped
+    visible[5] = False
+    visible[5, 200] = True  # only the partial tile's last key
+    mask = np.where(visible, 0, -np.inf).astype(np.float16)
+    with Backend("cpu", n_threads=n_threads) as backend:
+        got = compute(
+            backend,
+            [("f32", q.transpose(1, 0, 2)[None]), (kv_type, k.transpose(1, 0, 2)[None]),
+             (kv_type, v.transpose(1, 0, 2)[None]), ("f16", mask)],
+            lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=True))
+    want = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), visible)
+    assert relative_error(got[0], want) < 2e-6, relative_error(got[0], want)
+    np.testing.assert_allclose(got[0, 5], v[200], rtol=1e-6, atol=1e-6)
+
+
 def test_soft_max_ext_with_mask(be, rng):
     s = rng.standard_normal((3, 6)).astype(np.float32)
     mask = np.where(np.tril(np.ones((3, 6), bool), 3), 0, -np.inf).astype(np.float16)

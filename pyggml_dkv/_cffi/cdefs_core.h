@@ -214,6 +214,8 @@ void                       ggml_backend_dev_get_props(ggml_backend_dev_t device,
 ggml_backend_reg_t         ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
 ggml_backend_t             ggml_backend_dev_init(ggml_backend_dev_t device, const char * params);
 ggml_backend_buffer_type_t ggml_backend_dev_buffer_type(ggml_backend_dev_t device);
+bool                       ggml_backend_dev_supports_op(ggml_backend_dev_t device, const struct ggml_tensor * op);
+bool                       ggml_backend_dev_supports_buft(ggml_backend_dev_t device, ggml_backend_buffer_type_t buft);
 
 const char *       ggml_backend_reg_name(ggml_backend_reg_t reg);
 size_t             ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
@@ -224,6 +226,9 @@ ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
 size_t             ggml_backend_dev_count(void);
 ggml_backend_dev_t ggml_backend_dev_get(size_t index);
 ggml_backend_dev_t ggml_backend_dev_by_name(const char * name);
+void *             ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+/* obtained with ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts") */
+typedef ggml_backend_buffer_type_t * (*ggml_backend_dev_get_extra_bufts_t)(ggml_backend_dev_t device);
 
 ggml_backend_buffer_type_t ggml_backend_cpu_buffer_type(void);
 

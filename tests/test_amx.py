@@ -1,0 +1,119 @@
+"""q8_0 weights repacked for ggml's AMX kernels (Xeons with AMX): same results, write-only tensors.
+
+Skipped where the CPU (or the kernel) offers no AMX; the checks that AMX is *not* used run everywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter
+from pyggml_dkv import reference as R
+from pyggml_dkv.backend_weights import upload_matrix
+from pyggml_dkv.ggml import Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types
+from pyggml_dkv.numeric import relative_error
+
+needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU / kernel offers no AMX (or PYGGML_DKV_NO_AMX is set)")
+
+CFG = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8,
+                  n_target_layers=2, vocab=96)
+
+
+def _weights() -> DraftWeights:
+    return DraftWeights.random(CFG, seed=5)
+
+
+def test_only_q8_0_matrices_on_cpu_are_repacked(cpu):
+    w = _weights()
+    for dtype in ("f32", "f16", "bf16"):
+        with w.to_backend(cpu, dtype) as bw:
+            assert bw.n_repacked == 0 and len(bw.buffers) == 1
+    with w.to_backend(cpu, "q8_0", repack=False) as bw:
+        assert bw.n_repacked == 0
+        assert not any(t.is_repacked for t in bw.tensors.values())
+    with pytest.raises(TypeError, match="repack"):
+        w.to_backend(cpu, "q8_0", repack="yes")  # type: ignore[arg-type]
+
+
+def test_no_amx_environment_switch(cpu, monkeypatch):
+    monkeypatch.setenv("PYGGML_DKV_NO_AMX", "1")
+    assert not amx_available()
+    with _weights().to_backend(cpu, "q8_0") as bw:
+        assert bw.n_repacked == 0
+
+
+@needs_amx
+def test_q8_0_matrices_go_to_the_amx_buffer(cpu):
+    w = _weights()
+    with w.to_backend(cpu, "q8_0") as bw:
+        matrices = [n for n, a in w.items() if a.ndim == 2]
+        assert bw.n_repacked == len(matrices) > 0
+        assert {b.name for b in bw.buffers} == {"CPU", "AMX"}
+        assert all(bw[n].is_repacked for n in matrices)
+        assert not any(bw[n].is_repacked for n, a in w.items() if a.ndim == 1)  # norms stay readable
+        norm = next(n for n, a in w.items() if a.ndim == 1)
+        np.testing.assert_array_equal(bw[norm].numpy(), w[norm])
+
+
+@needs_amx
+def test_repacked_tensors_are_write_whole_only(cpu):
+    w = _weights()
+    with w.to_backend(cpu, "q8_0") as bw:
+        t = bw["fc.weight"]
+        with pytest.raises(GGMLError, match="repacked"):
+            t.numpy()
+        with pytest.raises(GGMLError, match="repacked"):
+            t.set_bytes(np.zeros(34, np.uint8))
+        with pytest.raises(GGMLError, match="repacked"):
+            t.fill(0)
+        t.set(w["fc.weight"])  # a whole-tensor write is repacked again: allowed
+
+
+@needs_amx
+def test_graph_reading_a_repacked_tensor_other_than_by_mul_mat_is_refused(cpu):
+    table, buf = upload_matrix(cpu, np.ones((64, 64), np.float32), "q8_0", "emb", matmul_only=True)
+    assert table.is_repacked
+    with buf, Context(n_tensors=8) as ids_ctx, Context(n_tensors=32, graph_size=32) as g:
+        rows = ids_ctx.new_tensor("i32", 2)
+        graph = Graph(g, 32)
+        graph.expand(g.get_rows(table, rows))
+        with Gallocr(cpu) as galloc, pytest.raises(GGMLError, match="emb.*repacked for AMX"):
+            galloc.alloc_graph(graph)
+    # an embedding table (read with get_rows) is never repacked by upload_matrix
+    table2, buf2 = upload_matrix(cpu, np.ones((64, 64), np.float32), "q8_0", "emb")
+    with buf2:
+        assert not table2.is_repacked
+
+
+@needs_amx
+def test_amx_weights_match_generic_q8_0_and_the_reference(cpu):
+    """Same quantized weights through the AMX and the generic q8_0 kernels: same drafts."""
+    w = _weights()
+    rng = np.random.default_rng(9)
+    lm_head = (rng.standard_normal((CFG.vocab, CFG.hidden)) * 0.05).astype(np.float32)
+    ring = FeatureRing(64, CFG.fc_in)
+    ring.append(rng.standard_normal((40, CFG.fc_in)).astype(np.float32))
+    noise = rng.standard_normal((CFG.block_size, CFG.hidden)).astype(np.float32)
+    outs = {}
+    for repack in (True, False):
+        with w.to_backend(cpu, "q8_0", repack=repack) as bw, \
+                DraftKvCache(bw, cpu, 64, cache_type="f32", lm_head=lm_head) as cache, \
+                OneShotDrafter(bw, cpu, 64, cache_type="f32", lm_head=lm_head) as oneshot:
+            assert (bw.n_repacked > 0) == repack
+            assert cache.lm_head.is_repacked == repack
+            logits = cache.step(ring, 40, noise)
+            outs[repack] = (cache.hidden_states.numpy(), logits, oneshot.step(ring, 40, noise))
+    for a, b in zip(outs[True], outs[False]):
+        assert 0 < relative_error(a, b) < 1e-2, relative_error(a, b)  # > 0: two different kernels really ran
+    feats = ring.read(0, 40)
+    assert relative_error(outs[True][0], R.reference_step(w, feats, 40, 64, noise)) < 3e-2
+    assert relative_error(outs[True][1], R.reference_step(w, feats, 40, 64, noise, lm_head=lm_head)) < 3e-2
+
+
+def test_extra_buffer_types_are_listed_by_name():
+    found = cpu_extra_buffer_types()
+    assert isinstance(found, dict)
+    assert all(isinstance(k, str) and k for k in found)
+    if amx_available():
+        assert "AMX" in found
