@@ -169,6 +169,27 @@ def test_mul_mat_against_numpy(be, rng, wtype, tol):
         assert relative_error(got, x.astype(np.float64) @ w16.T) < 1e-3
 
 
+@pytest.mark.parametrize("m, k, n", [(5, 64, 3), (4, 1024, 16), (70, 96, 34), (33, 48, 64), (9, 32, 1), (6, 64, 65), (7, 40, 8)])
+def test_mul_mat_f16_weights_few_columns(rng, m, k, n):
+    """f16 weights x up to 64 f32 columns: the narrow AVX-512 kernel (vendor/patches/0004) keeps the
+    columns f32, so against the stored f16 weights only f32 rounding remains; wider products
+    (n > 64) or rows that are not whole 16-value vectors take ggml's f16 x f16 path (x rounded to f16).
+    Every output is computed by one thread: the thread count must not change a bit."""
+    w = rng.standard_normal((m, k)).astype(np.float32)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float16).astype(np.float64).T
+    narrow = n <= 64 and k % 16 == 0 and "avx512f" in open("/proc/cpuinfo").read()
+    results = []
+    for n_threads in (1, 2, 3):
+        with Backend("cpu", n_threads=n_threads) as backend:
+            results.append(compute(backend, [("f16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b)))
+    for got in results:
+        assert got.shape == (n, m)
+        assert relative_error(got, want) < (2e-6 if narrow else 2e-3), relative_error(got, want)
+        if narrow:
+            np.testing.assert_array_equal(got, results[0])
+
+
 def test_mul_mat_broadcasts_batches(be, rng):
     a = rng.standard_normal((2, 4, 16)).astype(np.float32)  # ggml [16, 4, 2]
     b = rng.standard_normal((6, 3, 16)).astype(np.float32)  # ggml [16, 3, 6]: b batch i reads a batch i // 3
