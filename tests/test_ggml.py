@@ -290,13 +290,16 @@ def test_flash_attn_ext_gqa_with_mask(be, rng, prec_f32):
 
 @pytest.mark.parametrize("kv_type", ["f16", "f32"])
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads):
+@pytest.mark.parametrize("n_q", [70, 32, 9])
+def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
     """64+ query rows per head: ggml's tiled CPU kernel (with our vector tile-prep patch, vendor/patches/0003).
 
     203 keys = three whole 64-key tiles + a partial one (vector and scalar tails), a fully masked
-    64-key tile (skipped), a query row that sees one key only, and a second K/V head.
+    64-key tile (skipped), a query row that sees one key only, and a second K/V head; keys no
+    row sees hold NaN. 70 query rows = a whole 64-row tile + a partial one; 32 and 9 rows = one
+    partial tile (the patched kernel takes >= 8 rows and computes only the valid ones).
     """
-    d, n_q, n_head, n_kv = 64, 70, 2, 203
+    d, n_head, n_kv = 64, 2, 203
     q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
     k = rng.standard_normal((n_kv, n_head, d)).astype(np.float32)
     v = rng.standard_normal((n_kv, n_head, d)).astype(np.float32)
@@ -307,12 +310,17 @@ def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads):
     visible[:, 64:128] = False  # a whole tile masked for every row: skipped
     visible[5] = False
     visible[5, 200] = True  # only the partial tile's last key
+    visible[:, 130] = False  # hidden from every row, in a tile that is computed
     mask = np.where(visible, 0, -np.inf).astype(np.float16)
+    # keys no row may see hold NaN (like unused cache rows): they must not reach the output
+    k_nan, v_nan = k.copy(), v.copy()
+    for rows in (slice(64, 128), slice(130, 131)):
+        k_nan[rows], v_nan[rows] = np.nan, np.nan
     with Backend("cpu", n_threads=n_threads) as backend:
         got = compute(
             backend,
-            [("f32", q.transpose(1, 0, 2)[None]), (kv_type, k.transpose(1, 0, 2)[None]),
-             (kv_type, v.transpose(1, 0, 2)[None]), ("f16", mask)],
+            [("f32", q.transpose(1, 0, 2)[None]), (kv_type, k_nan.transpose(1, 0, 2)[None]),
+             (kv_type, v_nan.transpose(1, 0, 2)[None]), ("f16", mask)],
             lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=True))
     want = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), visible)
     assert relative_error(got[0], want) < 2e-6, relative_error(got[0], want)
