@@ -771,7 +771,7 @@ def plot(results: list[dict], path: str) -> None:
     except ImportError:
         log("matplotlib is not importable (pip install matplotlib): no plot written")
         return
-    fig, ax = plt.subplots(figsize=(9, 6))
+    fig, ax = plt.subplots(figsize=(11, 6))
     colors = {"kv_f16": "C0", "kv_q8": "C1", "raw": "C7", "oneshot": "C3", "torch_fp32": "C2", "torch_bf16": "C4",
               "roofline f16": "k"}
     markers = ["o", "s", "^", "D"]
@@ -792,7 +792,7 @@ def plot(results: list[dict], path: str) -> None:
     ax.set_ylabel("one draft step, ms (median)")
     ax.set_title("DFlash draft step latency vs window")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the lines fill the axes
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     log(f"plot written to {path}")

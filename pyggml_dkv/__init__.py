@@ -19,6 +19,8 @@ _LAZY = {
     "available_backends": "ggml",
     "list_devices": "ggml",
     "cuda_graph_stats": "ggml",
+    "amx_available": "ggml",
+    "cpu_extra_buffer_types": "ggml",
     "Backend": "ggml",
     "BackendInfo": "ggml",
     "BackendUnavailableError": "ggml",
