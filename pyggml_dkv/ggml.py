@@ -767,6 +767,18 @@ class Buffer(_Owned):
             raise GGMLError("alloc_ctx_tensors_from_buft needs a no_alloc context")
         if all(t.is_allocated for t in ctx.tensors()):
             raise GGMLError("the context has no unallocated tensors to place in a buffer")
+        name = ffi.string(lib.ggml_backend_buft_name(buffer_type)).decode()
+        if name == "AMX":
+            # ggml's AMX buffer sizes and packs every q8_0 / q4_0 tensor as one 2-D matrix of whole
+            # 32 x 32 blocks; anything else would overflow it or never reach its kernels
+            for t in ctx.tensors():
+                if t.is_allocated:
+                    continue
+                if t.type not in AMX_TYPES or t.ne[0] % 32 or t.ne[1] % 32 or t.ne[2:] != (1, 1):
+                    raise ValueError(f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the AMX buffer: "
+                                     f"it takes 2-D {'/'.join(AMX_TYPES)} matrices whose two sizes are multiples of 32")
+        elif name in REPACKING_BUFFER_TYPES:
+            raise GGMLError(f"the {name} buffer type is not supported by pyggml_dkv (only AMX is)")
         handle = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx.handle, buffer_type)
         return cls(handle, backend, ctx)
 

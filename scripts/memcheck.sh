@@ -22,7 +22,10 @@ PYTHON="${PYTHON:-$(python3 -c 'import sys; print(sys.executable)')}"
 [ -f "$SRC/CMakeLists.txt" ] || { echo "memcheck.sh: $SRC is missing: run ./build_ggml.sh first" >&2; exit 2; }
 command -v valgrind >/dev/null || { echo "memcheck.sh: valgrind not found (apt-get install valgrind)" >&2; exit 2; }
 
-if [ ! -f "$PREFIX/lib/libggml-cpu.so" ]; then
+# rebuilt whenever the unpacked source changes (new pin or patches): never check stale code
+SRC_ID="$(cat "$SRC/.pyggml_dkv_source" 2>/dev/null || echo custom)"
+if [ ! -f "$PREFIX/lib/libggml-cpu.so" ] || [ "$(cat "$PREFIX/.source" 2>/dev/null)" != "$SRC_ID" ]; then
+    rm -rf "$BUILD" "$PREFIX"
     echo "memcheck.sh: building ggml without AVX-512 for valgrind (once; log: $BUILD.build.log)" >&2
     cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DBUILD_SHARED_LIBS=ON \
         -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
@@ -31,6 +34,7 @@ if [ ! -f "$PREFIX/lib/libggml-cpu.so" ]; then
         > "$BUILD.configure.log" 2>&1 || { tail -n 30 "$BUILD.configure.log" >&2; exit 2; }
     cmake --build "$BUILD" -j "${GGML_JOBS:-$(nproc)}" > "$BUILD.build.log" 2>&1 || { tail -n 30 "$BUILD.build.log" >&2; exit 2; }
     cmake --install "$BUILD" --prefix "$PREFIX" > "$BUILD.install.log" 2>&1 || { tail -n 20 "$BUILD.install.log" >&2; exit 2; }
+    echo "$SRC_ID" > "$PREFIX/.source"
 fi
 
 cd "$ROOT"

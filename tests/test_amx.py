@@ -148,3 +148,25 @@ def test_amx_survives_another_amx_user_on_the_same_thread(tmp_path):
 
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.returncode, proc.stderr[-2000:])
+
+
+@needs_amx
+@pytest.mark.parametrize("ty, ne", [("f32", (64, 64)), ("q8_0", (64, 48)), ("q8_0", (64, 32, 2)), ("f16", (32, 32))])
+def test_amx_buffer_refuses_tensors_its_kernels_cannot_hold(cpu, ty, ne):
+    from pyggml_dkv.ggml import Buffer
+
+    with Context(n_tensors=1) as ctx:
+        ctx.new_tensor(ty, *ne, name="w")
+        with pytest.raises(ValueError, match="AMX buffer"):
+            Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()["AMX"], cpu)
+
+
+def test_other_repacking_buffer_types_are_refused(cpu):
+    from pyggml_dkv.ggml import Buffer
+
+    if "CPU_REPACK" not in cpu_extra_buffer_types():
+        pytest.skip("no CPU_REPACK buffer type in this build")
+    with Context(n_tensors=1) as ctx:
+        ctx.new_tensor("q8_0", 64, 64, name="w")
+        with pytest.raises(GGMLError, match="not supported"):
+            Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()["CPU_REPACK"], cpu)

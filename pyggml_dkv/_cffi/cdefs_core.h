@@ -248,6 +248,10 @@ ggml_backend_t ggml_backend_cpu_init(void);
 bool ggml_backend_is_cpu(ggml_backend_t backend);
 void ggml_backend_cpu_set_n_threads(ggml_backend_t backend_cpu, int n_threads);
 ggml_backend_reg_t ggml_backend_cpu_reg(void);
+/* what the CPU backend was compiled for (non-zero: yes) */
+int ggml_cpu_has_avx512(void);
+int ggml_cpu_has_f16c(void);
+int ggml_cpu_has_amx_int8(void);
 
 /* Python-side callbacks */
 extern "Python" void _pyggml_log_callback(enum ggml_log_level level, const char * text, void * user_data);
