@@ -84,7 +84,7 @@ if [ -n "${GGML_SRC:-}" ]; then
     SRC="$(cd "$GGML_SRC" 2>/dev/null && pwd)" || die "GGML_SRC=$GGML_SRC is not a directory"
     [ -f "$SRC/include/ggml.h" ] && [ -f "$SRC/CMakeLists.txt" ] || die "GGML_SRC=$SRC does not look like a ggml tree (no include/ggml.h or CMakeLists.txt)"
     SRC_ID="custom:$SRC"
-    [ ${#PATCHES[@]} -gt 0 ] && say "note: vendor/patches are not applied to GGML_SRC (CPU flash attention may be slower)"
+    [ ${#PATCHES[@]} -gt 0 ] && say "note: vendor/patches are not applied to GGML_SRC (slower CPU kernels; q8_0 weights stay off AMX)"
 else
     fetch_pinned_source
     SRC="$VENDOR/ggml"
@@ -155,4 +155,10 @@ cmake --install "$BUILD" --prefix "$PREFIX" > "$BUILD.install.log" 2>&1 \
 rm -rf "$PREFIX/lib/cmake" "$PREFIX/lib/pkgconfig"
 echo "$KEY" > "$STAMP"
 echo "$VARIANT" > "$PREFIX/variant"
+# which of our patches the libraries carry: the package uses AMX only with 0002 (GCC 12 fix)
+if [ "${SRC_ID#custom:}" = "$SRC_ID" ]; then
+    for p in "${PATCHES[@]}"; do basename "$p"; done > "$PREFIX/patches"
+else
+    : > "$PREFIX/patches"
+fi
 say "built ggml $GGML_VERSION ($VARIANT) in $(( $(date +%s) - start ))s into pyggml_dkv/_libs"

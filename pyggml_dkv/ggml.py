@@ -27,6 +27,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,9 +245,26 @@ def cpu_extra_buffer_types() -> dict[str, Any]:
     return found
 
 
+# ggml's AMX kernels are only safe with our patch (vendor/patches/0002: without it, a GCC 12 build
+# dies with SIGILL at the first tile instruction); build_ggml.sh lists the patches it applied
+AMX_PATCH = "0002-amx-kernels.patch"
+_PATCHES_FILE = Path(__file__).resolve().parent / "_libs" / "patches"
+
+
+@functools.cache
+def built_with_patches() -> tuple[str, ...]:
+    """The vendor/patches the ggml libraries were built with (none for a GGML_SRC build)."""
+    try:
+        return tuple(line.strip() for line in _PATCHES_FILE.read_text().splitlines() if line.strip())
+    except OSError:
+        return ()
+
+
 def amx_available() -> bool:
-    """True when ggml was built with AMX kernels and this CPU and kernel let us use them."""
-    return "AMX" in cpu_extra_buffer_types() and os.environ.get("PYGGML_DKV_NO_AMX", "") in ("", "0")
+    """True when ggml was built with (patched) AMX kernels and this CPU and kernel let us use them."""
+    if os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0") or AMX_PATCH not in built_with_patches():
+        return False
+    return "AMX" in cpu_extra_buffer_types()
 
 
 class Backend(_Owned):

@@ -170,3 +170,12 @@ def test_other_repacking_buffer_types_are_refused(cpu):
         ctx.new_tensor("q8_0", 64, 64, name="w")
         with pytest.raises(GGMLError, match="not supported"):
             Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()["CPU_REPACK"], cpu)
+
+
+def test_amx_needs_the_patched_build(monkeypatch):
+    """A GGML_SRC build lacks vendor/patches/0002, whose absence means SIGILL on GCC 12: no AMX then."""
+    import pyggml_dkv.ggml as G
+
+    assert G.AMX_PATCH in G.built_with_patches() or not amx_available()
+    monkeypatch.setattr(G, "built_with_patches", lambda: ())
+    assert not G.amx_available()
