@@ -100,7 +100,8 @@ CMAKE_ARGS=(
     -DCMAKE_BUILD_TYPE="${GGML_BUILD_TYPE:-Release}"
     -DBUILD_SHARED_LIBS=ON
     -DGGML_NATIVE=ON
-    # llamafile's tinyBLAS kernels: ~1.5x faster q8_0 matrix products at a draft block's 16-50 rows
+    # llamafile's tinyBLAS kernels for the products neither AMX nor our f16 kernel takes
+    # (f32, bf16, q8_0 off AMX: ~1.5x at a draft block's 16-50 rows; wide one-shot products)
     -DGGML_LLAMAFILE=ON
     -DGGML_BUILD_TESTS=OFF
     -DGGML_BUILD_EXAMPLES=OFF

@@ -292,7 +292,7 @@ def test_flash_attn_ext_gqa_with_mask(be, rng, prec_f32):
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("n_q", [70, 32, 9])
 def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
-    """64+ query rows per head: ggml's tiled CPU kernel (with our vector tile-prep patch, vendor/patches/0003).
+    """8+ query rows per head: ggml's tiled CPU flash-attention kernel as vendor/patches/0003 leaves it.
 
     203 keys = three whole 64-key tiles + a partial one (vector and scalar tails), a fully masked
     64-key tile (skipped), a query row that sees one key only, and a second K/V head; keys no
