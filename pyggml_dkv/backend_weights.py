@@ -7,20 +7,17 @@ import logging
 import numpy as np
 
 from .config import DraftConfig
-from .ggml import AMX_TYPES, Backend, Buffer, Context, Tensor, amx_available, cpu_extra_buffer_types, ggml_type, lib
+from .ggml import Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, ggml_type, lib
 from .weights import DraftWeights, is_norm
 
 log = logging.getLogger(__name__)
 
 WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0")
-# ggml's AMX matrix product works on 32-column output blocks of whole 32-value input blocks
-AMX_BLOCK = 32
 
 
 def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: int) -> bool:
     """Can an (out, in) `dtype` matrix on `backend` use ggml's AMX kernels (q8_0 on AMX Xeons)?"""
-    return (backend.is_cpu and dtype in AMX_TYPES and amx_available()
-            and out_features % AMX_BLOCK == 0 and in_features % AMX_BLOCK == 0)
+    return backend.is_cpu and amx_fits(dtype, (in_features, out_features)) and amx_available()
 
 
 class BackendWeights:

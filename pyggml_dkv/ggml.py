@@ -229,6 +229,13 @@ REPACKING_BUFFER_TYPES = ("AMX", "CPU_REPACK")
 AMX_TYPES = ("q8_0", "q4_0")
 
 
+def amx_fits(type_name: str, ne: tuple[int, ...]) -> bool:
+    """Can ggml's AMX buffer hold this tensor for its kernels? It sizes and packs every tensor as one
+    2-D matrix of whole 32 x 32 blocks (32-value input blocks, 32-column output blocks)."""
+    ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
+    return type_name in AMX_TYPES and ne4[0] % 32 == 0 and ne4[1] % 32 == 0 and ne4[2:] == (1, 1)
+
+
 @functools.cache
 def cpu_extra_buffer_types() -> dict[str, Any]:
     """Name -> buffer type of the extra buffer types this CPU offers (e.g. {"AMX": ..., "CPU_REPACK": ...})."""
@@ -787,12 +794,9 @@ class Buffer(_Owned):
             raise GGMLError("the context has no unallocated tensors to place in a buffer")
         name = ffi.string(lib.ggml_backend_buft_name(buffer_type)).decode()
         if name == "AMX":
-            # ggml's AMX buffer sizes and packs every q8_0 / q4_0 tensor as one 2-D matrix of whole
-            # 32 x 32 blocks; anything else would overflow it or never reach its kernels
+            # anything else would overflow the buffer or never reach its kernels
             for t in ctx.tensors():
-                if t.is_allocated:
-                    continue
-                if t.type not in AMX_TYPES or t.ne[0] % 32 or t.ne[1] % 32 or t.ne[2:] != (1, 1):
+                if not t.is_allocated and not amx_fits(t.type, t.ne):
                     raise ValueError(f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the AMX buffer: "
                                      f"it takes 2-D {'/'.join(AMX_TYPES)} matrices whose two sizes are multiples of 32")
         elif name in REPACKING_BUFFER_TYPES:

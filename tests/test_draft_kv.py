@@ -329,14 +329,19 @@ def test_invalid_arguments(small, cpu):
     c.close()  # idempotent
 
 
-def test_threads_agree(cpu):
-    """The suite runs ggml on one thread; the same steps on two threads give the same answers."""
+@pytest.mark.parametrize("weight_type", ["f32", "f16", "q8_0"])
+def test_threads_agree(cpu, weight_type):
+    """The suite runs ggml on one thread; the same steps on two threads give the same answers
+    (f16: the narrow matmul kernel, q8_0: ggml's AMX kernels where available, which split their
+    rows and blocks over the threads)."""
     from pyggml_dkv import Backend
+    from pyggml_dkv.ggml import amx_available
 
     cfg, w = make({"n_head": 4, "n_head_kv": 1, "block_size": 16})  # folded GQA: the tiled attention kernel
     ring, feats = feature_ring(cfg, 300)
     noise = noise_for(cfg)
-    with Backend("cpu", n_threads=2) as two, w.to_backend(cpu, "f32") as bw1, w.to_backend(two, "f32") as bw2, \
+    with Backend("cpu", n_threads=2) as two, w.to_backend(cpu, weight_type) as bw1, w.to_backend(two, weight_type) as bw2, \
             DraftKvCache(bw1, cpu, 100, cache_type="f32") as c1, DraftKvCache(bw2, two, 100, cache_type="f32") as c2:
+        assert (bw2.n_repacked > 0) == (weight_type == "q8_0" and amx_available())
         for committed in (5, 40, 41, 150, 300):
             assert relative_error(c2.step(ring, committed, noise), c1.step(ring, committed, noise)) < 1e-5
