@@ -292,14 +292,16 @@ def test_flash_attn_ext_gqa_with_mask(be, rng, prec_f32):
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("n_q", [70, 32, 9])
 def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
-    """8+ query rows per head: ggml's tiled CPU flash-attention kernel as vendor/patches/0003 leaves it.
+    """8+ query rows per head: ggml's tiled CPU flash-attention kernel as vendor/patches/0003 leaves it
+    (on AVX-512: its transposed-score form; elsewhere the row-major one).
 
-    203 keys = three whole 64-key tiles + a partial one (vector and scalar tails), a fully masked
-    64-key tile (skipped), a query row that sees one key only, and a second K/V head; keys no
-    row sees hold NaN. 70 query rows = a whole 64-row tile + a partial one; 32 and 9 rows = one
-    partial tile (the patched kernel takes >= 8 rows and computes only the valid ones).
+    267 keys = four whole 64-key tiles + a partial one (vector and scalar tails): a fully masked
+    tile (skipped), a tile every row sees whole (an all-zero mask, not converted), two with mixed
+    masks; a query row that sees one key only, and a second K/V head; keys no row sees hold NaN.
+    70 query rows = a whole 64-row tile + a partial one; 32 and 9 rows = one partial tile (the
+    patched kernel takes >= 8 rows and computes only the valid ones).
     """
-    d, n_head, n_kv = 64, 2, 203
+    d, n_head, n_kv = 64, 2, 267
     q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
     k = rng.standard_normal((n_kv, n_head, d)).astype(np.float32)
     v = rng.standard_normal((n_kv, n_head, d)).astype(np.float32)
@@ -308,8 +310,9 @@ def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
     visible = rng.random((n_q, n_kv)) < 0.7
     visible[:, 0] = True
     visible[:, 64:128] = False  # a whole tile masked for every row: skipped
+    visible[:, 192:256] = True  # a tile every row sees: all-zero mask
     visible[5] = False
-    visible[5, 200] = True  # only the partial tile's last key
+    visible[5, 266] = True  # only the partial tile's last key
     visible[:, 130] = False  # hidden from every row, in a tile that is computed
     mask = np.where(visible, 0, -np.inf).astype(np.float16)
     # keys no row may see hold NaN (like unused cache rows): they must not reach the output
@@ -324,7 +327,51 @@ def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
             lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=True))
     want = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), visible)
     assert relative_error(got[0], want) < 2e-6, relative_error(got[0], want)
-    np.testing.assert_allclose(got[0, 5], v[200], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[0, 5], v[266], rtol=1e-6, atol=1e-6)
+
+
+def _alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """ggml's ALiBi slope per query head (1 for every head when max_bias is 0)."""
+    if max_bias <= 0:
+        return np.ones(n_head)
+    n_log2 = 2 ** int(math.floor(math.log2(n_head)))
+    m0, m1 = 2.0 ** (-max_bias / n_log2), 2.0 ** (-(max_bias / 2) / n_log2)
+    return np.array([m0 ** (h + 1) if h < n_log2 else m1 ** (2 * (h - n_log2) + 1) for h in range(n_head)])
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("d,n_q,softcap,max_bias", [(128, 20, 0.0, 0.0), (128, 20, 5.0, 8.0), (64, 64, 2.0, 0.0),
+                                                    (80, 12, 0.0, 4.0)])
+def test_flash_attn_ext_tiled_kernel_bias_and_softcap(rng, n_threads, d, n_q, softcap, max_bias):
+    """The tiled kernel with what the drafter does not use but ggml offers: finite additive mask
+    values (the mask is converted and added, not only tested for -inf), ALiBi slopes per query head
+    (3 heads: both slope formulas), logit soft-capping, head sizes 80 and 128, 3 query heads per
+    K/V head."""
+    n_head, n_head_kv, n_kv = 3, 1, 150
+    q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float16).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float16).astype(np.float32)
+    bias = rng.uniform(-3, 0, (n_q, n_kv)).astype(np.float16)
+    bias[rng.random((n_q, n_kv)) < 0.2] = -np.inf
+    bias[:, 0] = 0  # every row sees a key
+    bias[:, 64:128] = 0  # one tile with an all-zero mask
+    scale = 1 / math.sqrt(d)
+    with Backend("cpu", n_threads=n_threads) as backend:
+        got = compute(
+            backend,
+            [("f32", q.transpose(1, 0, 2)[None]), ("f16", k.transpose(1, 0, 2)[None]),
+             ("f16", v.transpose(1, 0, 2)[None]), ("f16", bias)],
+            lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, scale, max_bias=max_bias,
+                                                      logit_softcap=softcap, prec_f32=True))
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    s = np.einsum("qhd,kd->hqk", q64, k64[:, 0]) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    s = s + _alibi_slopes(n_head, max_bias)[:, None, None] * bias.astype(np.float64)[None]
+    w = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("hqk,kd->qhd", w / w.sum(-1, keepdims=True), v64[:, 0])
+    assert got.shape == (1, n_q, n_head, d)
+    assert relative_error(got[0], want) < 1e-5, relative_error(got[0], want)
 
 
 def test_soft_max_ext_with_mask(be, rng):
