@@ -111,6 +111,52 @@ def test_amx_weights_match_generic_q8_0_and_the_reference(cpu):
     assert relative_error(outs[True][1], R.reference_step(w, feats, 40, 64, noise, lm_head=lm_head)) < 3e-2
 
 
+def _q8_0_round_trip(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's q8_0 of each row in 32-value blocks: (f16 scales as f32 [rows, blocks], int8 values)."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    amax = np.abs(blocks).max(-1)
+    d = amax / 127
+    inv = np.where(d > 0, 1 / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.round(blocks * inv[..., None]).astype(np.int32)  # ggml: roundf (ties away; none here)
+    return d.astype(np.float16).astype(np.float32), q
+
+
+@needs_amx
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_amx_product_at_every_row_count(n_threads):
+    """The AMX q8_0 product for row counts around its 16-row tiles (vendor/patches/0007 computes at
+    most 16 rows per pass: 16 noise rows, 34 fold-in rows = 16 + 16 + 2), against the exact q8_0
+    arithmetic in float64 (int8 dot products per 32-value block, times both blocks' f16 scales)."""
+    from pyggml_dkv.ggml import Backend, Buffer
+
+    rng = np.random.default_rng(3)
+    n_out, k = 96, 320  # 3 blocks of 32 output columns, 10 K blocks
+    w = rng.standard_normal((n_out, k)).astype(np.float32)
+    dw, qw = _q8_0_round_trip(w)
+    with Backend("cpu", n_threads=n_threads) as backend:
+        wt, wbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=True)
+        assert wt.is_repacked
+        for rows in (1, 2, 5, 15, 16, 17, 31, 32, 33, 34, 40, 64):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            dx, qx = _q8_0_round_trip(x)
+            want = np.einsum("rb,ob,rbi,obi->ro", dx.astype(np.float64), dw.astype(np.float64),
+                             qx.astype(np.float64), qw.astype(np.float64))
+            with Context(n_tensors=1) as ctx, Context(n_tensors=4, graph_size=4) as g:
+                xt = ctx.new_tensor("f32", k, rows)
+                with Buffer.alloc_ctx_tensors(ctx, backend):
+                    xt.set(x)
+                    graph = Graph(g, 4)
+                    out = g.mul_mat(wt, xt)
+                    graph.expand(out)
+                    with Gallocr(backend) as galloc:
+                        galloc.alloc_graph(graph)
+                        graph.compute(backend)
+                        got = out.numpy()
+            assert got.shape == (rows, n_out)
+            assert relative_error(got, want) < 1e-6, (rows, relative_error(got, want))
+        wbuf.close()
+
+
 def test_extra_buffer_types_are_listed_by_name():
     found = cpu_extra_buffer_types()
     assert isinstance(found, dict)
