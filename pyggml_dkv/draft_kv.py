@@ -110,6 +110,10 @@ class DraftKvCache:
         self.layer_swa = [t == "sliding" and swa != "off" for t in cfg.layer_types]
         self.any_swa = any(self.layer_swa)
         self.any_full = not all(self.layer_swa)
+        # CPU flash attention: each K/V head's query heads folded into extra query rows, so the
+        # masks carry one row per folded row (row j + q_len*g = query j), uploaded that way
+        self.fold_gqa = G.fold_gqa(cfg, backend.is_cpu)
+        self.mask_rows = self.q_len * (G.group_size(cfg) if self.fold_gqa else 1)
         kv_bytes = 2 * cfg.n_layer * self.kv_total * cfg.head_dim * cfg.n_head_kv * (2 if cache_type == "f16" else 4)
         log.debug("DraftKvCache cap=%d kv_total=%d a_step=%d: %.1f MiB of K/V", self.cap, self.kv_total, self.a_step, kv_bytes / 2**20)
 
@@ -173,8 +177,8 @@ class DraftKvCache:
         self.inp_embed = None if token_mode else m.new_tensor("f32", cfg.hidden, self.q_len, name="inp_embed")
         self.pos_q = m.new_tensor("i32", self.q_len, name="pos_q")
         self.noise_rows = m.new_tensor("i32", self.q_len, name="noise_rows")
-        self.mask_full = m.new_tensor("f16", self.kv_total, self.q_len, name="mask_full") if self.any_full else None
-        self.mask_swa = m.new_tensor("f16", self.kv_total, self.q_len, name="mask_swa") if self.any_swa else None
+        self.mask_full = m.new_tensor("f16", self.kv_total, self.mask_rows, name="mask_full") if self.any_full else None
+        self.mask_swa = m.new_tensor("f16", self.kv_total, self.mask_rows, name="mask_swa") if self.any_swa else None
         self.ap_feat = m.new_tensor("f32", self.fc_in, self.a_step, name="ap_feat")
         self.ap_pos = m.new_tensor("i32", self.a_step, name="ap_pos")
         self.ap_rows = m.new_tensor("i32", self.a_step, name="ap_rows")
@@ -206,9 +210,7 @@ class DraftKvCache:
                 h = g.scale(h, cfg.input_embedding_scale)
         else:
             h = self.inp_embed
-        self.fold_gqa = G.fold_gqa(cfg, self.backend.is_cpu)
-        groups = G.group_size(cfg) if self.fold_gqa else 1
-        masks = {swa: G.expand_mask(g, m, groups) for swa, m in ((False, self.mask_full), (True, self.mask_swa)) if m is not None}
+        masks = {False: self.mask_full, True: self.mask_swa}
         for layer in range(cfg.n_layer):
             hn = G.norm(g, h, w.layer(layer, "input_layernorm.weight"), cfg.rms_eps)
             q = G.queries(g, w, layer, hn, self.pos_q)
@@ -234,13 +236,19 @@ class DraftKvCache:
         self.n_nodes = self.gf.n_nodes
 
     def _init_mask_hosts(self) -> None:
-        """Host mask images: the noise / trash / alignment columns never change, the ring part does."""
+        """Host mask images: the noise / trash / alignment columns never change, the ring part does.
+
+        Each image has mask_rows rows; the [groups, q_len, kv_total] views write one query row's
+        mask into all of its folded copies at once.
+        """
         neg = np.float16(-np.inf)
-        self._mask_full_host = np.full((self.q_len, self.kv_total), neg, dtype=np.float16)
+        groups = self.mask_rows // self.q_len
+        self._mask_full_host = np.full((self.mask_rows, self.kv_total), neg, dtype=np.float16)
         self._mask_full_host[:, self.cap:self.cap + self.q_len] = 0
-        self._mask_swa_host = np.full((self.q_len, self.kv_total), neg, dtype=np.float16)
+        self._mask_swa_host = np.full((self.mask_rows, self.kv_total), neg, dtype=np.float16)
+        self._mask_swa_rows = self._mask_swa_host.reshape(groups, self.q_len, self.kv_total)
         causal = np.tril(np.ones((self.q_len, self.q_len), dtype=bool))
-        self._mask_swa_host[:, self.cap:self.cap + self.q_len] = np.where(causal, 0, neg)
+        self._mask_swa_rows[:, :, self.cap:self.cap + self.q_len] = np.where(causal, 0, neg)
         self._q_offsets = np.arange(self.q_len, dtype=np.int64)[:, None]
 
     # ------------------------------------------------------------------ state
@@ -380,9 +388,9 @@ class DraftKvCache:
                 self._mask_swa_host[:, :cap] = np.where(visible, np.float16(0), neg)
             else:  # per_row: query row j at committed+j sees keys less than swa_window behind it
                 visible = live[None, :] & ((committed + self._q_offsets - slot[None, :]) < window)
-                self._mask_swa_host[:, :cap] = np.where(visible, np.float16(0), neg)
+                self._mask_swa_rows[:, :, :cap] = np.where(visible, np.float16(0), neg)
                 noise_dist = self._q_offsets - self._q_offsets.T  # q - i
-                self._mask_swa_host[:, cap:cap + self.q_len] = np.where((noise_dist >= 0) & (noise_dist < window), np.float16(0), neg)
+                self._mask_swa_rows[:, :, cap:cap + self.q_len] = np.where((noise_dist >= 0) & (noise_dist < window), np.float16(0), neg)
             self.mask_swa.set(self._mask_swa_host)
 
     def _bulk_append(self, ring: FeatureRing, start: int, end: int) -> None:

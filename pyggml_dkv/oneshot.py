@@ -37,8 +37,11 @@ class _WindowGraph:
         self.pos_ctx = i.new_tensor("i32", ctx_len, name="pos_ctx")
         self.pos_q = i.new_tensor("i32", q_len, name="pos_q")
         self.inp_embed = i.new_tensor("f32", cfg.hidden, q_len, name="inp_embed")
-        self.mask_full = i.new_tensor("f16", n_kv, q_len, name="mask_full")
-        self.mask_swa = i.new_tensor("f16", n_kv, q_len, name="mask_swa")
+        # one mask row per folded query row (see DraftKvCache.mask_rows)
+        fold = G.fold_gqa(cfg, be.is_cpu)
+        self.groups = G.group_size(cfg) if fold else 1
+        self.mask_full = i.new_tensor("f16", n_kv, q_len * self.groups, name="mask_full")
+        self.mask_swa = i.new_tensor("f16", n_kv, q_len * self.groups, name="mask_swa")
         self.buffer = Buffer.alloc_ctx_tensors(i, be)
 
         size = G.graph_size_for(cfg)
@@ -47,9 +50,7 @@ class _WindowGraph:
         self.graph = Graph(g, size)
         fused = G.fuse_features(g, w, self.feat)
         h = self.inp_embed
-        fold = G.fold_gqa(cfg, be.is_cpu)
-        groups = G.group_size(cfg) if fold else 1
-        masks = {False: G.expand_mask(g, self.mask_full, groups), True: G.expand_mask(g, self.mask_swa, groups)}
+        masks = {False: self.mask_full, True: self.mask_swa}
         for layer in range(cfg.n_layer):
             hn = G.norm(g, h, w.layer(layer, "input_layernorm.weight"), cfg.rms_eps)
             q = G.queries(g, w, layer, hn, self.pos_q)
@@ -147,8 +148,8 @@ class OneShotDrafter:
             wg.pos_q.set(ctx_len + np.arange(self.q_len, dtype=np.int32))
             wg.inp_embed.set(emb)
             full, swa = self._masks(ctx_len)
-            wg.mask_full.set(full)
-            wg.mask_swa.set(swa)
+            wg.mask_full.set(np.tile(full, (wg.groups, 1)))
+            wg.mask_swa.set(np.tile(swa, (wg.groups, 1)))
             wg.graph.compute(self.backend)
             return wg.out.numpy()
         finally:

@@ -196,6 +196,11 @@ def test_swa_mask(cpu, swa):
         c.step(ring, committed, noise_for(cfg))
         vis = visible_columns(c.mask_swa)
         q = cfg.block_size
+        # one mask row per folded query row (CPU: each K/V head's query heads become extra rows)
+        groups = cfg.n_head // cfg.n_head_kv
+        assert c.fold_gqa and groups > 1 and vis.shape == (q * groups, c.kv_total) and c.mask_rows == q * groups
+        for gi in range(1, groups):
+            np.testing.assert_array_equal(vis[gi * q:(gi + 1) * q], vis[:q])
         for j in range(q):
             ring_part = vis[j, :37]
             seen = sorted(int(c.slot_pos[s]) for s in np.nonzero(ring_part)[0])
