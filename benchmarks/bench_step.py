@@ -8,6 +8,8 @@
 Systems, each timed for ONE draft step at a context window of W positions:
   kv_f16     DraftKvCache, f16 weights, f16 K/V cache: cache.step(ring, committed, noise)
   kv_q8      DraftKvCache, q8_0 weights (in ggml's AMX buffer on CPUs with AMX), f16 K/V cache
+  kv_q8_attbf16  the same with attention="bf16": attention's two products with bf16 inputs on AMX
+             tiles (vendor/patches/0009; PyTorch-bf16 precision), left out when ggml lacks the patch
   raw        kv_f16's step graph alone: cache.gf.compute(backend) after begin_step + inp_embed upload
              (so step()/raw shows the host overhead of step(): checks, ring copy, masks, uploads, download)
   oneshot    OneShotDrafter, f16 weights: recomputes features + context K/V of the whole window
@@ -50,9 +52,10 @@ Roofline per window and weight type: max(bytes / bandwidth, flops / matmul rate)
 Targets (issue #5) are printed with PASS/MISS:
   flat          kv_f16 @4096 / @64 <= 1.8                   (small)
   vs recompute  oneshot / kv_f16 @2048 >= 10                (small)
-  vs PyTorch    min(torch_fp32, torch_bf16) / min(kv_f16, kv_q8) >= 2 at every window (small)
+  vs PyTorch    min(torch_fp32, torch_bf16) / min(kv_*) >= 2 at every window (small); the same with
+                f32 attention only (kv_f16, kv_q8) is printed as information
   host overhead kv_f16 / raw <= 1.10 at every window        (small)
-  roofline      the best cache (kv_f16 vs roofline(f16), kv_q8 vs roofline(q8_0)) <= 1.5 x its roofline
+  roofline      the best cache (kv_f16 vs roofline(f16), kv_q8[_attbf16] vs roofline(q8_0)) <= 1.5 x its roofline
                 at every window (small, qwen3-8b); each weight type's own ratio is shown too
 """
 
@@ -108,7 +111,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter  # noqa: E402
-from pyggml_dkv.ggml import cuda_graph_stats  # noqa: E402
+from pyggml_dkv.ggml import bf16_attention_supported, cuda_graph_stats  # noqa: E402
 from pyggml_dkv.weights import expected_shapes, is_norm  # noqa: E402
 
 CAP = 4096
@@ -121,7 +124,8 @@ CONFIGS = {
 DEFAULT_REPS = {"toy": 30, "small": 15, "qwen3-8b": 5}
 DEFAULT_ONESHOT_REPS = {"toy": 30, "small": 8, "qwen3-8b": 3}
 WINDOWS = (64, 256, 1024, 2048, 4096)
-SYSTEMS = ("kv_f16", "kv_q8", "raw", "oneshot", "torch_fp32", "torch_bf16")
+SYSTEMS = ("kv_f16", "kv_q8", "kv_q8_attbf16", "raw", "oneshot", "torch_fp32", "torch_bf16")
+KV_SYSTEMS = ("kv_f16", "kv_q8", "kv_q8_attbf16")
 TORCH_SYSTEMS = ("torch_fp32", "torch_bf16")
 
 # issue #5 targets
@@ -393,10 +397,10 @@ def rewind_cache(cache: DraftKvCache, pos: int) -> None:
 class KvSystem:
     """A DraftKvCache kept at window W; `prepare` (untimed) sets it up for the next step."""
 
-    def __init__(self, name: str, weights, backend, cap_per_window: bool) -> None:  # noqa: ANN001
+    def __init__(self, name: str, weights, backend, cap_per_window: bool, attention: str = "f32") -> None:  # noqa: ANN001
         self.name, self.weights, self.backend = name, weights, backend
-        self.cap_per_window = cap_per_window
-        self.cache: DraftKvCache | None = None if cap_per_window else DraftKvCache(weights, backend, CAP)
+        self.cap_per_window, self.attention = cap_per_window, attention
+        self.cache: DraftKvCache | None = None if cap_per_window else DraftKvCache(weights, backend, CAP, attention=attention)
         self.committed = 0
 
     def start_window(self, ring: FeatureRing, window: int, noise: np.ndarray) -> np.ndarray:
@@ -404,7 +408,7 @@ class KvSystem:
         if self.cap_per_window:
             if self.cache is not None:
                 self.cache.close()
-            self.cache = DraftKvCache(self.weights, self.backend, window)
+            self.cache = DraftKvCache(self.weights, self.backend, window, attention=self.attention)
         self.committed = window
         return self.cache.step(ring, window, noise)
 
@@ -450,7 +454,11 @@ class Bench:
         self.bw = {}
         self.kv: dict[str, KvSystem] = {}
         sys_ = set(self.systems)
-        need = {"f16": bool(sys_ & {"kv_f16", "raw", "oneshot"}), "q8_0": "kv_q8" in sys_}
+        if "kv_q8_attbf16" in sys_ and not bf16_attention_supported():
+            log(f"[{self.name}] kv_q8_attbf16 left out: ggml was built without vendor/patches/0009")
+            self.systems = [s for s in self.systems if s != "kv_q8_attbf16"]
+            sys_.discard("kv_q8_attbf16")
+        need = {"f16": bool(sys_ & {"kv_f16", "raw", "oneshot"}), "q8_0": bool(sys_ & {"kv_q8", "kv_q8_attbf16"})}
         for dtype in ("f16", "q8_0"):
             if need[dtype]:
                 t0 = time.perf_counter()
@@ -460,6 +468,9 @@ class Bench:
             self.kv["kv_f16"] = KvSystem("kv_f16", self.bw["f16"], self.backend, args.cap_per_window)
         if "kv_q8" in sys_:
             self.kv["kv_q8"] = KvSystem("kv_q8", self.bw["q8_0"], self.backend, args.cap_per_window)
+        if "kv_q8_attbf16" in sys_:
+            self.kv["kv_q8_attbf16"] = KvSystem("kv_q8_attbf16", self.bw["q8_0"], self.backend, args.cap_per_window,
+                                                attention="bf16")
         self.oneshot = OneShotDrafter(self.bw["f16"], self.backend, CAP) if "oneshot" in self.systems else None
         self.torch = {}
         for sysname in TORCH_SYSTEMS:
@@ -489,7 +500,7 @@ class Bench:
     def _runner(self, sysname: str, window: int):  # noqa: ANN202
         """(prepare, step): prepare is untimed, step is the timed draft step."""
         n = self.n_new
-        if sysname in ("kv_f16", "kv_q8"):
+        if sysname in KV_SYSTEMS:
             ks = self.kv[sysname]
             state = {}
 
@@ -656,16 +667,21 @@ def analyse(result: dict, machine: dict) -> None:
             r["measured_over_roofline"] = ratio(m, r["ms"])
             roof[dt] = r
         wres["roofline"] = roof
-        kv_best = min([x for x in (med(wres, "kv_f16"), med(wres, "kv_q8")) if x is not None], default=None)
+        kv_best = min([x for x in (med(wres, s) for s in KV_SYSTEMS) if x is not None], default=None)
+        kv_best_f32 = min([x for x in (med(wres, "kv_f16"), med(wres, "kv_q8")) if x is not None], default=None)
         torch_best = min([x for x in (med(wres, "torch_fp32"), med(wres, "torch_bf16")) if x is not None], default=None)
+        attbf16_over_roof = ratio(med(wres, "kv_q8_attbf16"), roof["q8_0"]["ms"])
         wres["ratios"] = {
             "step_over_raw": ratio(med(wres, "kv_f16"), med(wres, "raw")),
             "oneshot_over_kv_f16": ratio(med(wres, "oneshot"), med(wres, "kv_f16")),
             "torch_best_over_kv_best": ratio(torch_best, kv_best),
+            "torch_best_over_kv_best_f32_attention": ratio(torch_best, kv_best_f32),
             "kv_f16_over_roofline": roof["f16"]["measured_over_roofline"],
             "kv_q8_over_roofline": roof["q8_0"]["measured_over_roofline"],
+            "kv_q8_attbf16_over_roofline": attbf16_over_roof,
             "kv_best_over_roofline": min([x for x in (roof["f16"]["measured_over_roofline"],
-                                                      roof["q8_0"]["measured_over_roofline"]) if x is not None], default=None),
+                                                      roof["q8_0"]["measured_over_roofline"], attbf16_over_roof)
+                                          if x is not None], default=None),
         }
 
 
@@ -688,13 +704,17 @@ def targets(result: dict) -> list[dict]:
     vals = [w["ratios"]["torch_best_over_kv_best"] for w in result["windows"]]
     if vals and all(v is not None for v in vals):
         add("vs PyTorch", min(vals), ">=", TORCH_MIN, name == "small", "min over windows of min(torch) / min(kv)")
+    vals = [w["ratios"]["torch_best_over_kv_best_f32_attention"] for w in result["windows"]]
+    if vals and all(v is not None for v in vals):
+        add("vs PyTorch f32 attention", min(vals), ">=", TORCH_MIN, False,
+            "min over windows of min(torch) / min(kv_f16, kv_q8) (info)")
     vals = [w["ratios"]["step_over_raw"] for w in result["windows"]]
     if vals and all(v is not None for v in vals):
         add("host overhead", max(vals), "<=", OVERHEAD_MAX, name == "small", "max over windows of kv_f16 step() / raw graph")
     vals = [w["ratios"]["kv_best_over_roofline"] for w in result["windows"]]
     if vals and all(v is not None for v in vals):
         add("roofline", max(vals), "<=", ROOF_MAX, name in ("small", "qwen3-8b"),
-            "max over windows of min(kv_f16 / roofline(f16), kv_q8 / roofline(q8_0))")
+            "max over windows of min(kv_f16 / roofline(f16), kv_q8[_attbf16] / roofline(q8_0))")
     for dt, sysname in (("f16", "kv_f16"), ("q8_0", "kv_q8")):
         vals = [w["ratios"][f"{sysname}_over_roofline"] for w in result["windows"]]
         if vals and all(v is not None for v in vals):
@@ -759,7 +779,7 @@ def print_report(results: list[dict], machine: dict, args: argparse.Namespace) -
         for t in r["targets"]:
             verdict = "-" if t["ok"] is None else ("PASS" if t["ok"] else "MISS")
             scope = "" if t["applies"] or t["detail"].endswith("(info)") else "  (info: the issue's target is for another config)"
-            p(f"  {t['target']:<14} {fmt(t['value'])} {t['op']} {t['bound']}  {verdict:<4}  {t['detail']}{scope}")
+            p(f"  {t['target']:<24} {fmt(t['value'])} {t['op']} {t['bound']}  {verdict:<4}  {t['detail']}{scope}")
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -772,7 +792,7 @@ def plot(results: list[dict], path: str) -> None:
         log("matplotlib is not importable (pip install matplotlib): no plot written")
         return
     fig, ax = plt.subplots(figsize=(11, 6))
-    colors = {"kv_f16": "C0", "kv_q8": "C1", "raw": "C7", "oneshot": "C3", "torch_fp32": "C2", "torch_bf16": "C4",
+    colors = {"kv_f16": "C0", "kv_q8": "C1", "kv_q8_attbf16": "C5", "raw": "C7", "oneshot": "C3", "torch_fp32": "C2", "torch_bf16": "C4",
               "roofline f16": "k"}
     markers = ["o", "s", "^", "D"]
     styles = ["-", "--", "-.", (0, (5, 1, 1, 1))]

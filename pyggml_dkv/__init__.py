@@ -20,6 +20,7 @@ _LAZY = {
     "list_devices": "ggml",
     "cuda_graph_stats": "ggml",
     "amx_available": "ggml",
+    "bf16_attention_supported": "ggml",
     "cpu_extra_buffer_types": "ggml",
     "Backend": "ggml",
     "BackendInfo": "ggml",

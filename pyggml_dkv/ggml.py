@@ -267,6 +267,18 @@ def built_with_patches() -> tuple[str, ...]:
         return ()
 
 
+# CPU flash attention with bf16 products on AMX tiles (vendor/patches/0009): ggml's precision
+# GGML_PREC_BF16, a value only the patched ggml knows (an unpatched one aborts on it)
+BF16_ATTENTION_PATCH = "0009-cpu-flash-attn-bf16-amx.patch"
+GGML_PREC_BF16 = 16
+
+
+def bf16_attention_supported() -> bool:
+    """True when ggml was built with vendor/patches/0009, so attention may be asked for bf16
+    products (it then runs them on AMX-BF16 tiles where the CPU has them, in f32 elsewhere)."""
+    return BF16_ATTENTION_PATCH in built_with_patches()
+
+
 def amx_available() -> bool:
     """True when ggml was built with (patched) AMX kernels and this CPU and kernel let us use them."""
     if os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0") or AMX_PATCH not in built_with_patches():

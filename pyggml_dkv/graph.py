@@ -86,13 +86,14 @@ def fold_gqa(cfg: DraftConfig, backend_is_cpu: bool) -> bool:
 
 
 def attend(g: Context, w: BackendWeights, layer: int, q: Tensor, k_all: Tensor, v_all: Tensor,
-           mask: Tensor, fold: bool) -> Tensor:
+           mask: Tensor, fold: bool, bf16_products: bool = False) -> Tensor:
     """Flash attention of q [head_dim, n_head, q_len] over [head_dim*n_head_kv, rows] K/V, then o_proj.
 
     With `fold`, the query heads sharing a K/V head become rows r = j + q_len*g of that head (g =
     the head's index within its group), and `mask` must have those rows: row j + q_len*g = query
     j's mask. The caller uploads it so (a ggml concat repeating a q_len-row mask cost ~0.3 ms
-    per mask and step on the CPU).
+    per mask and step on the CPU). `bf16_products`: the CPU kernel's products take bf16 inputs
+    on AMX tiles (ggml with vendor/patches/0009), else f32 precision throughout.
     """
     cfg = w.cfg
     hd, q_len, n_kv, groups = cfg.head_dim, q.ne[2], cfg.n_head_kv, group_size(cfg)
@@ -104,12 +105,13 @@ def attend(g: Context, w: BackendWeights, layer: int, q: Tensor, k_all: Tensor, 
         # q[d, h = g + groups*kv, j] -> [d, j + q_len*g, kv]
         q4 = g.reshape(q, hd, groups, n_kv, q_len)
         qf = g.reshape(g.cont(g.permute(q4, 0, 2, 3, 1)), hd, q_len * groups, n_kv)
-        out = g.flash_attn_ext(qf, k, v, mask, scale, prec_f32=True)  # [d, kv, j + q_len*g]
+        out = g.flash_attn_ext(qf, k, v, mask, scale, prec_f32=not bf16_products, prec_bf16=bf16_products)  # [d, kv, j + q_len*g]
         # -> [d, h = g + groups*kv, j]
         out4 = g.reshape(out, hd, n_kv, q_len, groups)
         out = g.cont(g.permute(out4, 0, 2, 3, 1))
     else:
-        out = g.flash_attn_ext(g.permute(q, 0, 2, 1, 3), k, v, mask, scale, prec_f32=True)  # [d, n_head, q_len]
+        out = g.flash_attn_ext(g.permute(q, 0, 2, 1, 3), k, v, mask, scale, prec_f32=not bf16_products,
+                               prec_bf16=bf16_products)  # [d, n_head, q_len]
     out = g.reshape(out, hd * cfg.n_head, q_len)
     return g.mul_mat(w.layer(layer, "self_attn.o_proj.weight"), out)
 

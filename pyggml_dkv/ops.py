@@ -333,9 +333,21 @@ class OpsMixin:
         return out
 
     def flash_attn_ext(self, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor | None", scale: float,
-                       max_bias: float = 0.0, logit_softcap: float = 0.0, prec_f32: bool = False) -> "Tensor":
-        """q [D, n_q, H, 1], k/v [D, n_kv, H_kv, 1], mask f16 [n_kv, >= n_q] -> [D, H, n_q, 1]."""
+                       max_bias: float = 0.0, logit_softcap: float = 0.0, prec_f32: bool = False,
+                       prec_bf16: bool = False) -> "Tensor":
+        """q [D, n_q, H, 1], k/v [D, n_kv, H_kv, 1], mask f16 [n_kv, >= n_q] -> [D, H, n_q, 1].
+
+        prec_bf16: the CPU kernel may run both products with bf16 inputs on AMX tiles (f32 sums;
+        needs vendor/patches/0009, head sizes multiples of 32; elsewhere it computes in f32).
+        """
         self._same_ctx("flash_attn_ext", q, k, v, mask)
+        if prec_f32 and prec_bf16:
+            _fail("flash_attn_ext", "prec_f32 and prec_bf16 exclude each other")
+        if prec_bf16:
+            from .ggml import BF16_ATTENTION_PATCH, bf16_attention_supported
+
+            if not bf16_attention_supported():
+                _fail("flash_attn_ext", f"prec_bf16 needs a ggml built with vendor/patches/{BF16_ATTENTION_PATCH}")
         # the CPU kernel reads q as f32 and needs a dot product for k's type / a conversion for v's
         # (an i32 k would call a NULL vec_dot: a segfault, not an abort)
         _check_type("flash_attn_ext", q, (_F32,), "q")
@@ -370,6 +382,10 @@ class OpsMixin:
                                                  _finite("flash_attn_ext", "logit_softcap", logit_softcap)))
         if prec_f32:
             lib.ggml_flash_attn_ext_set_prec(out.ptr, lib.GGML_PREC_F32)
+        elif prec_bf16:
+            from .ggml import GGML_PREC_BF16
+
+            lib.ggml_flash_attn_ext_set_prec(out.ptr, GGML_PREC_BF16)
         out._ndim = 4
         return out
 

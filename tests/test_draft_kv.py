@@ -350,3 +350,50 @@ def test_threads_agree(cpu, weight_type):
         assert (bw2.n_repacked > 0) == (weight_type == "q8_0" and amx_available())
         for committed in (5, 40, 41, 150, 300):
             assert relative_error(c2.step(ring, committed, noise), c1.step(ring, committed, noise)) < 1e-5
+
+
+def _cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read().split()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "f32"])
+def test_bf16_attention(cpu, cache_type):
+    """attention="bf16" (vendor/patches/0009): the steps stay within bf16 rounding of the reference
+    along a trajectory with fold-ins, bulk appends and a ring wrap; NaN in memory attention must
+    ignore still never leaks; on CPUs with AMX-BF16 the bf16 products really ran."""
+    from pyggml_dkv import bf16_attention_supported
+
+    if not bf16_attention_supported():
+        pytest.skip("ggml built without vendor/patches/0009")
+    cfg, w = make({"n_head": 4, "n_head_kv": 1, "block_size": 16, "layer_types": ["full", "sliding"],
+                   "swa_window": 50})  # folded GQA (64 rows), head_dim 64
+    ring, feats = feature_ring(cfg, 400)
+    noise = noise_for(cfg)
+    with w.to_backend(cpu, "f32") as bw, DraftKvCache(bw, cpu, 100, cache_type=cache_type, attention="bf16") as fast, \
+            DraftKvCache(bw, cpu, 100, cache_type=cache_type) as exact:
+        assert fast.attention == "bf16" and exact.attention == "f32"
+        nan_rows = np.full((fast.kv_total, fast.k_cache[0].ne[0]), np.nan, dtype=np.float32)
+        for t in (*fast.k_cache, *fast.v_cache):
+            t.set(nan_rows)
+        for committed in (5, 40, 41, 150, 400):
+            got, ref_f32 = fast.step(ring, committed, noise), exact.step(ring, committed, noise)
+            assert np.isfinite(got).all()
+            want = R.reference_step(w, feats, committed, 100, noise)
+            assert relative_error(got, want) < 3e-2, (committed, relative_error(got, want))
+            if _cpu_has_amx_bf16():
+                assert relative_error(got, ref_f32) > 1e-4  # not the f32 kernel
+
+
+def test_bf16_attention_refusals(small, cpu, monkeypatch):
+    import pyggml_dkv.draft_kv as D
+
+    _, _, bw = small
+    with pytest.raises(ValueError, match="attention"):
+        DraftKvCache(bw, cpu, 10, attention="f16")
+    monkeypatch.setattr(D, "bf16_attention_supported", lambda: False)
+    with pytest.raises(ValueError, match="0009"):
+        DraftKvCache(bw, cpu, 10, attention="bf16")

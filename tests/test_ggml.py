@@ -330,6 +330,80 @@ def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
     np.testing.assert_allclose(got[0, 5], v[266], rtol=1e-6, atol=1e-6)
 
 
+def _cpu_has_amx_bf16() -> bool:
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+needs_bf16_attention = pytest.mark.skipif(not pyggml_dkv.bf16_attention_supported(),
+                                          reason="ggml built without vendor/patches/0009")
+
+
+@needs_bf16_attention
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("d,n_q,n_kv", [(64, 70, 267), (64, 9, 267), (128, 20, 150), (64, 64, 4128)])
+def test_flash_attn_ext_bf16_products(rng, n_threads, d, n_q, n_kv):
+    """prec_bf16 (vendor/patches/0009): on CPUs with AMX-BF16 both products take bf16 inputs with
+    f32 sums, so the result is within bf16 rounding of the reference (and not the f32 result); the
+    masking rules stay exact: keys no row may see hold NaN and must not reach the output, a row
+    that sees one key returns that key's value (to bf16 precision)."""
+    n_head = 2
+    q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((n_kv, n_head, d)).astype(np.float16).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_head, d)).astype(np.float16).astype(np.float32)
+    visible = rng.random((n_q, n_kv)) < 0.7
+    visible[:, 0] = True
+    visible[:, 64:128] = False  # a whole tile no row sees (skipped)
+    visible[:, 130] = False  # hidden from every row in a computed tile
+    visible[3] = False
+    visible[3, n_kv - 1] = True  # only the last (partial) tile's last key
+    mask = np.where(visible, 0, -np.inf).astype(np.float16)
+    k_nan, v_nan = k.copy(), v.copy()
+    k_nan[64:128], v_nan[64:128] = np.nan, np.nan
+    k_nan[130], v_nan[130] = np.nan, np.nan
+    specs = [("f32", q.transpose(1, 0, 2)[None]), ("f16", k_nan.transpose(1, 0, 2)[None]),
+             ("f16", v_nan.transpose(1, 0, 2)[None]), ("f16", mask)]
+    with Backend("cpu", n_threads=n_threads) as backend:
+        fast, exact = (compute(backend, specs, lambda g, qt, kt, vt, m, bf=bf: g.flash_attn_ext(
+            qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=not bf, prec_bf16=bf)) for bf in (True, False))
+    want = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), visible)
+    assert np.isfinite(fast).all()
+    assert relative_error(exact[0], want) < 2e-6
+    err = relative_error(fast[0], want)
+    if _cpu_has_amx_bf16():
+        assert 1e-4 < err < 1.5e-2, err  # bf16 products really ran, at bf16 precision
+    else:  # no AMX-BF16: the f32 kernel
+        np.testing.assert_array_equal(fast, exact)
+    np.testing.assert_allclose(fast[0, 3], v[n_kv - 1], rtol=1e-2, atol=1e-2)
+
+
+@needs_bf16_attention
+def test_flash_attn_ext_bf16_falls_back_to_f32_for_other_head_sizes(be, rng):
+    """Head size 80 is no multiple of 32 (the AMX tiles' width in bf16): the f32 kernel runs."""
+    d, n_q, n_kv = 80, 16, 100
+    q = rng.standard_normal((1, 1, n_q, d)).astype(np.float32)  # ggml [d, n_q, 1 head, 1]
+    kv = rng.standard_normal((1, 1, n_kv, d)).astype(np.float16)
+    mask = np.zeros((n_q, n_kv), np.float16)
+    specs = [("f32", q), ("f16", kv), ("f16", kv), ("f16", mask)]
+    fast, exact = (compute(be, specs, lambda g, qt, kt, vt, m, bf=bf: g.flash_attn_ext(
+        qt, kt, vt, m, 0.1, prec_f32=not bf, prec_bf16=bf)) for bf in (True, False))
+    np.testing.assert_array_equal(fast, exact)
+
+
+def test_flash_attn_ext_bf16_refusals(monkeypatch):
+    import pyggml_dkv.ggml as G
+
+    with Context(n_tensors=8) as g:
+        q, k = g.new_tensor("f32", 64, 8), g.new_tensor("f16", 64, 32)
+        with pytest.raises(ValueError, match="exclude each other"):
+            g.flash_attn_ext(q, k, k, None, 0.125, prec_f32=True, prec_bf16=True)
+        monkeypatch.setattr(G, "built_with_patches", lambda: ())
+        with pytest.raises(ValueError, match="0009"):
+            g.flash_attn_ext(q, k, k, None, 0.125, prec_bf16=True)
+
+
 def _alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
     """ggml's ALiBi slope per query head (1 for every head when max_bias is 0)."""
     if max_bias <= 0:
