@@ -809,7 +809,7 @@ def plot(results: list[dict], path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context window W (positions)")
-    ax.set_ylabel("one draft step, ms (median)")
+    ax.set_ylabel(f"one draft step, ms ({STAT})")
     ax.set_title("DFlash draft step latency vs window")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the lines fill the axes
