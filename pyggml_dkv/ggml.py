@@ -774,8 +774,7 @@ class Buffer(_Owned):
         _live_buffers[_addr(handle)] = next(_tokens)
         self.backend = backend
         self.ctx = ctx  # keep the tensors' metadata alive as long as their data
-        self.repacked = self.name in REPACKING_BUFFER_TYPES
-        if self.repacked:
+        if self.name in REPACKING_BUFFER_TYPES:
             _repacked_buffers.add(_addr(handle))
 
     @staticmethod

@@ -36,10 +36,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
         terminalreporter.write_line(f"{comparison:<28} {precision:<22} {error:.3e}   ({case})")
 
 
-# ggml's CPU threads spin on a barrier after every op: on a shared, busy machine a descheduled
-# spinner turns a millisecond step into hundreds. Tests check results, not speed, so they use one
-# thread unless asked (PYGGML_DKV_TEST_THREADS); test_threads_agree covers multi-threaded compute.
+# Tests check results, not speed, so ggml computes on one thread unless asked
+# (PYGGML_DKV_TEST_THREADS): a shared, busy machine cannot stretch the run by descheduling a
+# thread its partner waits for. test_threads_agree and the tiled-kernel tests cover two threads.
 TEST_THREADS = int(os.environ.get("PYGGML_DKV_TEST_THREADS", "1"))
+
+
+@pytest.fixture(scope="session")
+def cpu_has_amx_bf16() -> bool:
+    """Does this CPU offer AMX-BF16 tiles (so attention="bf16" really runs bf16 products)?"""
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="session")

@@ -352,16 +352,8 @@ def test_threads_agree(cpu, weight_type):
             assert relative_error(c2.step(ring, committed, noise), c1.step(ring, committed, noise)) < 1e-5
 
 
-def _cpu_has_amx_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read().split()
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("cache_type", ["f16", "f32"])
-def test_bf16_attention(cpu, cache_type):
+def test_bf16_attention(cpu, cpu_has_amx_bf16, cache_type):
     """attention="bf16" (vendor/patches/0009): the steps stay within bf16 rounding of the reference
     along a trajectory with fold-ins, bulk appends and a ring wrap; NaN in memory attention must
     ignore still never leaks; on CPUs with AMX-BF16 the bf16 products really ran."""
@@ -384,7 +376,7 @@ def test_bf16_attention(cpu, cache_type):
             assert np.isfinite(got).all()
             want = R.reference_step(w, feats, committed, 100, noise)
             assert relative_error(got, want) < 3e-2, (committed, relative_error(got, want))
-            if _cpu_has_amx_bf16():
+            if cpu_has_amx_bf16:
                 assert relative_error(got, ref_f32) > 1e-4  # not the f32 kernel
 
 

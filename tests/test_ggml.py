@@ -330,13 +330,6 @@ def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
     np.testing.assert_allclose(got[0, 5], v[266], rtol=1e-6, atol=1e-6)
 
 
-def _cpu_has_amx_bf16() -> bool:
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-
-
 needs_bf16_attention = pytest.mark.skipif(not pyggml_dkv.bf16_attention_supported(),
                                           reason="ggml built without vendor/patches/0009")
 
@@ -344,7 +337,7 @@ needs_bf16_attention = pytest.mark.skipif(not pyggml_dkv.bf16_attention_supporte
 @needs_bf16_attention
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("d,n_q,n_kv", [(64, 70, 267), (64, 9, 267), (128, 20, 150), (64, 64, 4128)])
-def test_flash_attn_ext_bf16_products(rng, n_threads, d, n_q, n_kv):
+def test_flash_attn_ext_bf16_products(rng, cpu_has_amx_bf16, n_threads, d, n_q, n_kv):
     """prec_bf16 (vendor/patches/0009): on CPUs with AMX-BF16 both products take bf16 inputs with
     f32 sums, so the result is within bf16 rounding of the reference (and not the f32 result); the
     masking rules stay exact: keys no row may see hold NaN and must not reach the output, a row
@@ -372,7 +365,7 @@ def test_flash_attn_ext_bf16_products(rng, n_threads, d, n_q, n_kv):
     assert np.isfinite(fast).all()
     assert relative_error(exact[0], want) < 2e-6
     err = relative_error(fast[0], want)
-    if _cpu_has_amx_bf16():
+    if cpu_has_amx_bf16:
         assert 1e-4 < err < 1.5e-2, err  # bf16 products really ran, at bf16 precision
     else:  # no AMX-BF16: the f32 kernel
         np.testing.assert_array_equal(fast, exact)

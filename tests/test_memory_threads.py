@@ -19,6 +19,7 @@ PYGGML_DKV_MEMORY_CYCLES (default 1000).
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -586,7 +587,7 @@ def test_waiting_thread_sleeps_in_graph_barriers():
     proc = subprocess.run([sys.executable, "-c", BARRIER_CHILD], capture_output=True, text=True,
                           timeout=300, env=env, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    got = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["ok"], "argmax results differ from numpy"
     assert got["wall"] > 0.02, got  # long enough to tell one busy core from two
     # the computing thread is busy all along; a spinning partner would double the process's CPU time

@@ -215,7 +215,6 @@ ggml_backend_reg_t         ggml_backend_dev_backend_reg(ggml_backend_dev_t devic
 ggml_backend_t             ggml_backend_dev_init(ggml_backend_dev_t device, const char * params);
 ggml_backend_buffer_type_t ggml_backend_dev_buffer_type(ggml_backend_dev_t device);
 bool                       ggml_backend_dev_supports_op(ggml_backend_dev_t device, const struct ggml_tensor * op);
-bool                       ggml_backend_dev_supports_buft(ggml_backend_dev_t device, ggml_backend_buffer_type_t buft);
 
 const char *       ggml_backend_reg_name(ggml_backend_reg_t reg);
 size_t             ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
@@ -251,7 +250,6 @@ ggml_backend_reg_t ggml_backend_cpu_reg(void);
 /* what the CPU backend was compiled for (non-zero: yes) */
 int ggml_cpu_has_avx512(void);
 int ggml_cpu_has_f16c(void);
-int ggml_cpu_has_amx_int8(void);
 
 /* Python-side callbacks */
 extern "Python" void _pyggml_log_callback(enum ggml_log_level level, const char * text, void * user_data);
