@@ -26,8 +26,8 @@ import transformers
 from dflash import model as dflash_model
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from pyggml_dkv.config import DraftConfig
-from pyggml_dkv.weights import DraftWeights
+from pyggml_dkv.model.config import DraftConfig
+from pyggml_dkv.model.weights import DraftWeights
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

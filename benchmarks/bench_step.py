@@ -112,7 +112,7 @@ if str(HERE) not in sys.path:
 
 from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter  # noqa: E402
 from pyggml_dkv.ggml import bf16_attention_supported, cuda_graph_stats  # noqa: E402
-from pyggml_dkv.weights import expected_shapes, is_norm  # noqa: E402
+from pyggml_dkv.model.weights import expected_shapes, is_norm  # noqa: E402
 
 CAP = 4096
 CONFIGS = {
@@ -273,8 +273,8 @@ class OpProfiler:
         from cffi import FFI
 
         import pyggml_dkv
-        from pyggml_dkv._lowlevel import ffi as pffi
-        from pyggml_dkv._lowlevel import lib as plib
+        from pyggml_dkv.ggml._lowlevel import ffi as pffi
+        from pyggml_dkv.ggml._lowlevel import lib as plib
 
         self.ffi = FFI()
         self.ffi.cdef("""

@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .config import ConfigError, DraftConfig
-from .weights import DraftWeights, WeightsError
+from .model.config import ConfigError, DraftConfig
+from .model.weights import DraftWeights, WeightsError
 
 __version__ = "0.1.0"
 
@@ -32,16 +32,16 @@ _LAZY = {
     "Graph": "ggml",
     "Tensor": "ggml",
     "live_objects": "ggml",
-    "BackendWeights": "backend_weights",
-    "FeatureRing": "features",
-    "DraftKvCache": "draft_kv",
-    "DraftKvState": "draft_kv",
-    "draft_kv_init": "draft_kv",
-    "draft_kv_reset": "draft_kv",
-    "draft_kv_free": "draft_kv",
-    "draft_kv_begin_step": "draft_kv",
-    "OneShotDrafter": "oneshot",
-    "Drafter": "drafter",
+    "BackendWeights": "model.backend_weights",
+    "FeatureRing": "drafter.features",
+    "DraftKvCache": "drafter.cache",
+    "DraftKvState": "drafter.cache",
+    "draft_kv_init": "drafter.cache",
+    "draft_kv_reset": "drafter.cache",
+    "draft_kv_free": "drafter.cache",
+    "draft_kv_begin_step": "drafter.cache",
+    "OneShotDrafter": "drafter.oneshot",
+    "Drafter": "drafter.drafter",
 }
 
 __all__ = ["ConfigError", "DraftConfig", "DraftWeights", "WeightsError", *_LAZY]

@@ -16,12 +16,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import pyggml_dkv.draft_kv as dkv  # noqa: E402
+import pyggml_dkv.drafter.cache as dkv  # noqa: E402
 from pyggml_dkv import (  # noqa: E402
     Backend, DraftConfig, DraftKvCache, DraftWeights, Drafter, FeatureRing, OneShotDrafter, live_objects,
 )
 from pyggml_dkv import reference as R  # noqa: E402
-from pyggml_dkv.numeric import relative_error  # noqa: E402
+from pyggml_dkv.common.numeric import relative_error  # noqa: E402
 
 
 def main() -> int:

@@ -10,9 +10,9 @@ import pytest
 
 from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter
 from pyggml_dkv import reference as R
-from pyggml_dkv.backend_weights import upload_matrix
+from pyggml_dkv.model.backend_weights import upload_matrix
 from pyggml_dkv.ggml import Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types
-from pyggml_dkv.numeric import relative_error
+from pyggml_dkv.common.numeric import relative_error
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU / kernel offers no AMX (or PYGGML_DKV_NO_AMX is set)")
 
@@ -223,7 +223,7 @@ def test_other_repacking_buffer_types_are_refused(cpu):
 
 def test_amx_needs_the_patched_build(monkeypatch):
     """A GGML_SRC build lacks vendor/patches/0002, whose absence means SIGILL on GCC 12: no AMX then."""
-    import pyggml_dkv.ggml as G
+    import pyggml_dkv.ggml.capabilities as G
 
     assert G.AMX_PATCH in G.built_with_patches() or not amx_available()
     monkeypatch.setattr(G, "built_with_patches", lambda: ())

@@ -1,4 +1,4 @@
-"""Checkpoint I/O (pyggml_dkv.checkpoint): dflash's config.json + safetensors, without torch."""
+"""Checkpoint I/O (pyggml_dkv.model.checkpoint): dflash's config.json + safetensors, without torch."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyggml_dkv import checkpoint as C
+from pyggml_dkv.model import checkpoint as C
 from pyggml_dkv import reference as R
-from pyggml_dkv.checkpoint import CheckpointError, CheckpointNotFoundError, load_checkpoint, save_checkpoint
-from pyggml_dkv.config import DraftConfig
-from pyggml_dkv.weights import DraftWeights, expected_shapes
+from pyggml_dkv.model.checkpoint import CheckpointError, CheckpointNotFoundError, load_checkpoint, save_checkpoint
+from pyggml_dkv.model.config import DraftConfig
+from pyggml_dkv.model.weights import DraftWeights, expected_shapes
 
 SMALL = dict(hidden=32, n_layer=2, n_head=4, n_head_kv=2, head_dim=8, ffn=48, block_size=4, n_target_layers=3)
 

@@ -12,7 +12,7 @@ import pytest
 
 import pyggml_dkv
 from pyggml_dkv import Backend, BackendUnavailableError, DraftConfig, DraftKvCache, DraftWeights
-from pyggml_dkv import _lowlevel
+from pyggml_dkv.ggml import _lowlevel
 from pyggml_dkv.ggml import built_backends, cuda_graph_stats
 
 CUDA_DEVICES = [b.name for b in pyggml_dkv.available_backends() if b.name.startswith("cuda:") and b.available]

@@ -37,9 +37,9 @@ transformers = pytest.importorskip("transformers", exc_type=ImportError)
 dflash_model = pytest.importorskip("dflash.model", exc_type=ImportError)
 
 from pyggml_dkv import reference as R  # noqa: E402
-from pyggml_dkv.checkpoint import load_checkpoint  # noqa: E402
-from pyggml_dkv.config import DraftConfig  # noqa: E402
-from pyggml_dkv.weights import DraftWeights  # noqa: E402
+from pyggml_dkv.model.checkpoint import load_checkpoint  # noqa: E402
+from pyggml_dkv.model.config import DraftConfig  # noqa: E402
+from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
 
 TOL = 1e-4  # max|a-b| / max|b|, dflash in float32 vs the float64 reference
 

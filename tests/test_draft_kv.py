@@ -18,7 +18,7 @@ from pyggml_dkv import (
 )
 from pyggml_dkv import reference as R
 from pyggml_dkv.ggml import GGMLError, live_objects
-from pyggml_dkv.numeric import relative_error
+from pyggml_dkv.common.numeric import relative_error
 
 SMALL = dict(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=64, ffn=128, block_size=8, n_target_layers=2)
 
@@ -99,7 +99,7 @@ def test_bulk_append_uses_temporaries_that_are_freed(small, cpu):
 
 
 def test_bulk_append_in_several_chunks(cpu, monkeypatch):
-    import pyggml_dkv.draft_kv as dkv
+    import pyggml_dkv.drafter.cache as dkv
 
     monkeypatch.setattr(dkv, "BULK_CHUNK", 16)  # force 3+ chunks, one partial
     cfg, w = make()
@@ -243,7 +243,7 @@ def test_nan_poisoning_of_unused_memory_never_reaches_outputs(cpu):
 
 
 def test_lm_head_array_and_tensor(small, cpu):
-    from pyggml_dkv.backend_weights import upload_matrix
+    from pyggml_dkv.model.backend_weights import upload_matrix
 
     cfg, w, bw = small
     ring, feats = feature_ring(cfg, 50)
@@ -381,7 +381,7 @@ def test_bf16_attention(cpu, cpu_has_amx_bf16, cache_type):
 
 
 def test_bf16_attention_refusals(small, cpu, monkeypatch):
-    import pyggml_dkv.draft_kv as D
+    import pyggml_dkv.drafter.cache as D
 
     _, _, bw = small
     with pytest.raises(ValueError, match="attention"):

@@ -11,7 +11,7 @@ import pytest
 
 from pyggml_dkv import DraftConfig, Drafter, DraftWeights
 from pyggml_dkv import reference as R
-from pyggml_dkv.drafter import sample_rows, sampling_probs
+from pyggml_dkv.drafter.drafter import sample_rows, sampling_probs
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))

@@ -25,7 +25,7 @@ import pytest
 
 import pyggml_dkv
 from pyggml_dkv import DraftConfig
-from pyggml_dkv._lowlevel import ffi, lib
+from pyggml_dkv.ggml._lowlevel import ffi, lib
 from pyggml_dkv.ggml import (
     Backend,
     BackendInfo,
@@ -40,7 +40,8 @@ from pyggml_dkv.ggml import (
     list_devices,
     live_objects,
 )
-from pyggml_dkv.numeric import bf16_bits_to_fp32, fp32_to_bf16_bits, relative_error
+from pyggml_dkv.common.bf16 import from_bf16_bits as bf16_bits_to_fp32, to_bf16_bits as fp32_to_bf16_bits
+from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.reference import attention, rope_neox
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -386,7 +387,7 @@ def test_flash_attn_ext_bf16_falls_back_to_f32_for_other_head_sizes(be, rng):
 
 
 def test_flash_attn_ext_bf16_refusals(monkeypatch):
-    import pyggml_dkv.ggml as G
+    import pyggml_dkv.ggml.capabilities as G
 
     with Context(n_tensors=8) as g:
         q, k = g.new_tensor("f32", 64, 8), g.new_tensor("f16", 64, 32)
@@ -826,7 +827,7 @@ import gc, json, sys
 import numpy as np
 from pyggml_dkv.ggml import (Backend, BackendUnavailableError, Buffer, Context, Gallocr, GGMLError, Graph,
                              live_objects)
-from pyggml_dkv._lowlevel import lib
+from pyggml_dkv.ggml._lowlevel import lib
 
 BE = Backend("cpu", n_threads=1)
 NEOX = lib.GGML_ROPE_TYPE_NEOX

@@ -51,17 +51,17 @@ def _child(group: str, log_path: str) -> int:  # noqa: C901 - one function per g
     from hypothesis import strategies as st
 
     sys.path.insert(0, str(ROOT))
-    import pyggml_dkv.draft_kv as dkv
+    import pyggml_dkv.drafter.cache as dkv
     from pyggml_dkv import (
         Backend, BackendWeights, DraftConfig, DraftKvCache, DraftKvState, DraftWeights, Drafter, FeatureRing,
         OneShotDrafter, draft_kv_begin_step, draft_kv_init, live_objects,
     )
     from pyggml_dkv import reference as R
-    from pyggml_dkv.backend_weights import upload_matrix
-    from pyggml_dkv.config import ConfigError
+    from pyggml_dkv.model.backend_weights import upload_matrix
+    from pyggml_dkv.model.config import ConfigError
     from pyggml_dkv.ggml import Buffer, Context, Gallocr, GGMLError, Graph
-    from pyggml_dkv.numeric import relative_error
-    from pyggml_dkv.weights import WeightsError, expected_shapes
+    from pyggml_dkv.common.numeric import relative_error
+    from pyggml_dkv.model.weights import WeightsError, expected_shapes
 
     ALLOWED = (ValueError, TypeError, RuntimeError)
     scale = float(os.environ.get("PYGGML_DKV_FUZZ_SCALE", "1"))

@@ -32,13 +32,14 @@ import numpy as np
 import pytest
 
 import pyggml_dkv.ggml as ggml_mod
+from pyggml_dkv.ggml import liveness
 from pyggml_dkv import (
     Backend, DraftConfig, DraftKvCache, DraftKvState, DraftWeights, Drafter, FeatureRing, OneShotDrafter,
     draft_kv_free, draft_kv_init, live_objects,
 )
 from pyggml_dkv import reference as R
 from pyggml_dkv.ggml import Buffer, Context, Gallocr, GGMLError, Graph
-from pyggml_dkv.numeric import relative_error
+from pyggml_dkv.common.numeric import relative_error
 
 ROOT = Path(__file__).resolve().parents[1]
 N_STEPS = int(os.environ.get("PYGGML_DKV_MEMORY_STEPS", "4000"))
@@ -110,7 +111,7 @@ def test_steps_keep_memory_flat(be1):
     w = DraftWeights.random(TOY64, seed=0)
     with w.to_backend(be1, "f32") as bw:
         before_objects = alive()
-        live_buffers = len(ggml_mod._live_buffers)
+        live_buffers = len(liveness.live_buffers)
         cache = DraftKvCache(bw, be1, 64, cache_type="f32")
         host = Host(TOY64, 64)
         for _ in range(min(500, N_STEPS)):  # warm-up: every path (bulk, rewind, reset) has run
@@ -136,7 +137,7 @@ def test_steps_keep_memory_flat(be1):
               f"RSS growth {growth / 2**10:.0f} KiB")
         assert growth < RSS_LIMIT, f"RSS grew by {growth / 2**20:.2f} MiB over {N_STEPS} steps"
         assert alive() == before_objects
-        assert len(ggml_mod._live_buffers) == live_buffers
+        assert len(liveness.live_buffers) == live_buffers
 
 
 def test_create_close_cycles_keep_memory_flat(be1):
@@ -157,7 +158,7 @@ def test_create_close_cycles_keep_memory_flat(be1):
         for i in range(50):  # warm-up
             cycle(i)
         before_objects = alive()
-        live_buffers = len(ggml_mod._live_buffers)
+        live_buffers = len(liveness.live_buffers)
         rss0 = rss()
         for i in range(N_CYCLES):
             cycle(i)
@@ -166,7 +167,7 @@ def test_create_close_cycles_keep_memory_flat(be1):
         print(f"\n{N_CYCLES} create/close cycles: RSS growth {growth / 2**10:.0f} KiB")
         assert growth < RSS_LIMIT, f"RSS grew by {growth / 2**20:.2f} MiB over {N_CYCLES} cycles"
         assert alive() == before_objects
-        assert len(ggml_mod._live_buffers) == live_buffers
+        assert len(liveness.live_buffers) == live_buffers
 
 
 def test_close_is_idempotent_everywhere():

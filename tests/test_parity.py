@@ -13,7 +13,7 @@ import pytest
 
 from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter
 from pyggml_dkv import reference as R
-from pyggml_dkv.numeric import relative_error
+from pyggml_dkv.common.numeric import relative_error
 
 TOL = {"f32": 1e-4, "f16": 5e-3}
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pyggml_dkv import reference as R
-from pyggml_dkv.config import DraftConfig
-from pyggml_dkv.weights import DraftWeights
+from pyggml_dkv.model.config import DraftConfig
+from pyggml_dkv.model.weights import DraftWeights
 
 SMALL = dict(hidden=32, n_layer=2, n_head=4, n_head_kv=2, head_dim=8, ffn=48, block_size=4, n_target_layers=2)
 YARN = dict(freq_scale=0.25, ext_factor=1.0, attn_factor=1.0, n_ctx_orig=64, rope_theta=10000.0)

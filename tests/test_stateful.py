@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-import pyggml_dkv.draft_kv as dkv
+import pyggml_dkv.drafter.cache as dkv
 from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing
 from pyggml_dkv import reference as R
 from pyggml_dkv.ggml import live_objects
-from pyggml_dkv.numeric import relative_error
+from pyggml_dkv.common.numeric import relative_error
 
 TOL = 1e-4
 N_EXAMPLES = int(os.environ.get("PYGGML_DKV_STATEFUL_EXAMPLES", "200"))

@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from . import graph as G
-from .backend_weights import BackendWeights, upload_matrix
-from .config import DraftConfig
+from . import layers as G
+from ..model.backend_weights import BackendWeights, upload_matrix
+from ..model.config import DraftConfig
 from .features import FeatureRing
-from .ggml import BF16_ATTENTION_PATCH, Backend, Buffer, Context, Gallocr, GGMLError, Graph, Tensor, bf16_attention_supported
+from ..ggml import BF16_ATTENTION_PATCH, Backend, Buffer, Context, Gallocr, GGMLError, Graph, Tensor, bf16_attention_supported
 
 log = logging.getLogger(__name__)
 

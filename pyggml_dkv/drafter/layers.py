@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .backend_weights import BackendWeights
-from .config import DraftConfig
-from .ggml import Context, Tensor, lib
+from ..model.backend_weights import BackendWeights
+from ..model.config import DraftConfig
+from ..ggml import Context, Tensor, lib
 
 ROPE_NEOX = int(lib.GGML_ROPE_TYPE_NEOX)
 

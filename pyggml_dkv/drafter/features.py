@@ -6,7 +6,7 @@ from collections import deque
 
 import numpy as np
 
-from .numeric import bf16_bits_to_fp32, fp32_to_bf16_bits
+from ..common.bf16 import from_bf16_bits, to_bf16_bits
 
 RING_DTYPES = ("f32", "f16", "bf16")
 
@@ -60,7 +60,7 @@ class FeatureRing:
 
     def _encode(self, rows: np.ndarray) -> np.ndarray:
         if self.dtype == "bf16":
-            return fp32_to_bf16_bits(rows)
+            return to_bf16_bits(rows)
         return rows.astype(self._rows.dtype, copy=False)
 
     def _check_rows(self, rows: object) -> np.ndarray:
@@ -151,8 +151,8 @@ class FeatureRing:
         first = start % self.cap
         head = min(n, self.cap - first)
         if self.dtype == "bf16":
-            out[:head] = bf16_bits_to_fp32(self._rows[first:first + head])
-            out[head:] = bf16_bits_to_fp32(self._rows[: n - head])
+            out[:head] = from_bf16_bits(self._rows[first:first + head])
+            out[head:] = from_bf16_bits(self._rows[: n - head])
         else:
             out[:head] = self._rows[first:first + head]
             out[head:] = self._rows[: n - head]

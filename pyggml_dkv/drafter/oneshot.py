@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from . import graph as G
-from .backend_weights import BackendWeights, upload_matrix
-from .draft_kv import check_drafter_args
+from . import layers as G
+from ..model.backend_weights import BackendWeights, upload_matrix
+from .cache import check_drafter_args
 from .features import FeatureRing
-from .ggml import Backend, Buffer, Context, Gallocr, GGMLError, Graph, Tensor
+from ..ggml import Backend, Buffer, Context, Gallocr, GGMLError, Graph, Tensor
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 try:
-    from ._ggml_cffi import ffi, lib
+    from .._ggml_cffi import ffi, lib
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
         "pyggml_dkv's compiled ggml bindings are missing or cannot load "

@@ -16,7 +16,7 @@ from .config import DraftConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from .backend_weights import BackendWeights
-    from .ggml import Backend
+    from ..ggml import Backend
 
 # per-layer tensor name suffixes, in checkpoint order
 LAYER_MATRICES = (

@@ -10,9 +10,11 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ._lowlevel import ffi, lib
+from .capabilities import BF16_ATTENTION_PATCH, GGML_PREC_BF16, bf16_attention_supported
+from .types import ggml_type
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .ggml import Tensor
+    from .tensor import Tensor
 
 _I32 = lib.GGML_TYPE_I32
 _I64 = lib.GGML_TYPE_I64
@@ -187,8 +189,6 @@ class OpsMixin:
         return self._wrap(lib.ggml_cpy(self.handle, a.ptr, b.ptr))
 
     def cast(self, a: "Tensor", type: str) -> "Tensor":
-        from .ggml import ggml_type
-
         self._same_ctx("cast", a)
         t = ggml_type(type)
         if a.ne[0] % lib.ggml_blck_size(t):
@@ -344,8 +344,6 @@ class OpsMixin:
         if prec_f32 and prec_bf16:
             _fail("flash_attn_ext", "prec_f32 and prec_bf16 exclude each other")
         if prec_bf16:
-            from .ggml import BF16_ATTENTION_PATCH, bf16_attention_supported
-
             if not bf16_attention_supported():
                 _fail("flash_attn_ext", f"prec_bf16 needs a ggml built with vendor/patches/{BF16_ATTENTION_PATCH}")
         # the CPU kernel reads q as f32 and needs a dot product for k's type / a conversion for v's
@@ -383,8 +381,6 @@ class OpsMixin:
         if prec_f32:
             lib.ggml_flash_attn_ext_set_prec(out.ptr, lib.GGML_PREC_F32)
         elif prec_bf16:
-            from .ggml import GGML_PREC_BF16
-
             lib.ggml_flash_attn_ext_set_prec(out.ptr, GGML_PREC_BF16)
         out._ndim = 4
         return out

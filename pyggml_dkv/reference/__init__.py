@@ -42,8 +42,8 @@ from typing import Literal
 
 import numpy as np
 
-from .config import LAYER_TYPES, DraftConfig
-from .weights import DraftWeights
+from ..model.config import LAYER_TYPES, DraftConfig
+from ..model.weights import DraftWeights
 
 SwaMode = Literal["seed", "per_row", "off"]
 SWA_MODES: tuple[str, ...] = ("seed", "per_row", "off")

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from .backend_weights import BackendWeights
-from .draft_kv import DraftKvCache
+from ..model.backend_weights import BackendWeights
+from .cache import DraftKvCache
 from .features import FeatureRing
-from .ggml import Backend
-from .weights import DraftWeights
+from ..ggml import Backend
+from ..model.weights import DraftWeights
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import logging
 import numpy as np
 
 from .config import DraftConfig
-from .ggml import Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, ggml_type, lib
+from ..ggml import Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, ggml_type, lib
 from .weights import DraftWeights, is_norm
 
 log = logging.getLogger(__name__)

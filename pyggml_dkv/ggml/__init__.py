@@ -1,0 +1,63 @@
+"""A small Pythonic layer over ggml. It knows nothing of DFlash.
+
+It reads like ggml's `examples/simple/simple-backend.cpp`:
+
+    backend = Backend("cpu")                      # 1. backend
+    ctx = Context(n_tensors=8)                    # 2. metadata-only context (no_alloc)
+    a = ctx.new_tensor("f32", 4, 2)               #    ggml order: ne0=4 columns, ne1=2 rows
+    buf = Buffer.alloc_ctx_tensors(ctx, backend)  # 3. one backend buffer for its tensors
+    a.set(np.ones((2, 4), np.float32))            #    numpy order: (rows, columns)
+    gctx = Context(n_tensors=64, graph_size=64)
+    graph = Graph(gctx, size=64)                  # 4. graph in its own context
+    graph.expand(gctx.scale(a, 2.0))
+    galloc = Gallocr(backend); galloc.alloc_graph(graph)
+    graph.compute(backend)                        # 5. compute, then read outputs with .numpy()
+
+One module per object: `backend`, `context` (+ `ops`, the ops as Context methods), `tensor`,
+`buffer`, `gallocr`, `graph`; `types` (type names, quantization), `capabilities` (what the build
+and machine offer), `owned` / `liveness` (handle and buffer lifetimes), `_lowlevel` (the raw
+cffi `ffi` / `lib`). Owning objects free their ggml handle exactly once: `close()`, a `with`
+block, or the garbage collector. Every call that ggml would answer with an abort is checked
+first and raises a Python exception instead.
+"""
+
+from __future__ import annotations
+
+from ._lowlevel import ffi, lib
+from .backend import Backend
+from .buffer import Buffer
+from .capabilities import (
+    AMX_PATCH,
+    AMX_TYPES,
+    BF16_ATTENTION_PATCH,
+    GGML_PREC_BF16,
+    REPACKING_BUFFER_TYPES,
+    BackendInfo,
+    amx_available,
+    amx_fits,
+    available_backends,
+    bf16_attention_supported,
+    built_backends,
+    built_with_patches,
+    cpu_extra_buffer_types,
+    cuda_graph_stats,
+    default_n_threads,
+    list_devices,
+    version,
+)
+from .context import Context
+from .errors import BackendUnavailableError, GGMLError
+from .gallocr import Gallocr
+from .graph import Graph
+from .owned import live_objects
+from .tensor import Tensor
+from .types import MAX_DIMS, TYPE_NAMES, TYPES, dequantize, ggml_type, quantize
+
+__all__ = [
+    "AMX_PATCH", "AMX_TYPES", "BF16_ATTENTION_PATCH", "GGML_PREC_BF16", "MAX_DIMS", "REPACKING_BUFFER_TYPES",
+    "TYPES", "TYPE_NAMES", "Backend", "BackendInfo", "BackendUnavailableError", "Buffer", "Context",
+    "GGMLError", "Gallocr", "Graph", "Tensor", "amx_available", "amx_fits", "available_backends",
+    "bf16_attention_supported", "built_backends", "built_with_patches", "cpu_extra_buffer_types",
+    "cuda_graph_stats", "default_n_threads", "dequantize", "ffi", "ggml_type", "lib", "list_devices",
+    "live_objects", "quantize", "version",
+]

@@ -1,0 +1,166 @@
+"""What this ggml build and this machine offer: backends, devices, CPU buffer types, patches."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import _lowlevel
+from ._lowlevel import ffi, lib
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str  # what Backend() accepts: "cpu", "cuda:0", "rpc"
+    available: bool
+    description: str
+    reason: str | None = None  # why it is unavailable
+
+    def __repr__(self) -> str:
+        state = "available" if self.available else f"unavailable: {self.reason}"
+        return f"<{self.name}: {self.description} ({state})>"
+
+
+def built_backends() -> list[str]:
+    """Backends compiled into this ggml build."""
+    names = ["cpu"]
+    if hasattr(lib, "ggml_backend_cuda_init"):
+        names.append("cuda")
+    if hasattr(lib, "ggml_backend_rpc_init"):
+        names.append("rpc")
+    return names
+
+
+def cuda_device_count() -> int:
+    return int(lib.ggml_backend_cuda_get_device_count()) if hasattr(lib, "ggml_backend_cuda_init") else 0
+
+
+def cuda_graph_stats(reset: bool = False) -> dict[str, int]:
+    """What ggml's CUDA backend reported about CUDA graphs since the last reset: warm-ups completed
+    (a graph was captured: later identical computes replay it silently), warm-up resets (the graph
+    changed between computes), failed updates, graphs disabled, and "reused" (scheduler graphs with
+    a uid only). All zero on other backends, or with GGML_CUDA_DISABLE_GRAPHS=1."""
+    stats = dict(_lowlevel.cuda_graph_events)
+    if reset:
+        for key in _lowlevel.cuda_graph_events:
+            _lowlevel.cuda_graph_events[key] = 0
+    return stats
+
+
+def available_backends() -> list[BackendInfo]:
+    """What this build and this machine can run. CPU always; CUDA and RPC with the reason when not."""
+    cpu_dev = lib.ggml_backend_dev_by_name(b"CPU")
+    cpu_desc = ffi.string(lib.ggml_backend_dev_description(cpu_dev)).decode() if cpu_dev != ffi.NULL else "CPU"
+    infos = [BackendInfo("cpu", True, cpu_desc)]
+    if "cuda" not in built_backends():
+        infos.append(BackendInfo("cuda", False, "CUDA", "this ggml build has no CUDA backend (rebuild: GGML_CUDA=1 ./build_ggml.sh)"))
+    else:
+        n = cuda_device_count()
+        if n == 0:
+            infos.append(BackendInfo("cuda", False, "CUDA", "built with CUDA, but no CUDA device is visible (no GPU or no driver)"))
+        for i in range(n):
+            desc = ffi.new("char[256]")
+            lib.ggml_backend_cuda_get_device_description(i, desc, 256)
+            infos.append(BackendInfo(f"cuda:{i}", True, ffi.string(desc).decode()))
+    if "rpc" in built_backends():
+        infos.append(BackendInfo("rpc", True, "RPC client (Backend('rpc:HOST:PORT'))"))
+    else:
+        infos.append(BackendInfo("rpc", False, "RPC", "this ggml build has no RPC backend (rebuild: GGML_RPC=1 ./build_ggml.sh)"))
+    return infos
+
+
+def list_devices() -> list[dict[str, Any]]:
+    """ggml's device registry: name, description, type and memory of every registered device."""
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ffi.new("size_t *"), ffi.new("size_t *")
+        lib.ggml_backend_dev_memory(dev, free, total)
+        out.append({
+            "name": ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
+            "description": ffi.string(lib.ggml_backend_dev_description(dev)).decode(),
+            "type": int(lib.ggml_backend_dev_type(dev)),
+            "registry": ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))).decode(),
+            "memory_free": int(free[0]),
+            "memory_total": int(total[0]),
+        })
+    return out
+
+
+def default_n_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+# The CPU backend's "extra" buffer types rewrite a weight matrix into the layout of a faster kernel
+# as it is uploaded (AMX: int8 tiles for q8_0 / q4_0 on Xeons with AMX). Tensors stored there can
+# only be written whole and used as the matrix of a matrix product: ggml cannot read them back.
+REPACKING_BUFFER_TYPES = ("AMX", "CPU_REPACK")
+# weight types with AMX kernels in ggml (amx/common.h: qtype_has_amx_kernels) that we can quantize
+AMX_TYPES = ("q8_0", "q4_0")
+
+
+def amx_fits(type_name: str, ne: tuple[int, ...]) -> bool:
+    """Can ggml's AMX buffer hold this tensor for its kernels? It sizes and packs every tensor as one
+    2-D matrix of whole 32 x 32 blocks (32-value input blocks, 32-column output blocks)."""
+    ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
+    return type_name in AMX_TYPES and ne4[0] % 32 == 0 and ne4[1] % 32 == 0 and ne4[2:] == (1, 1)
+
+
+@functools.cache
+def cpu_extra_buffer_types() -> dict[str, Any]:
+    """Name -> buffer type of the extra buffer types this CPU offers (e.g. {"AMX": ..., "CPU_REPACK": ...})."""
+    reg = lib.ggml_backend_cpu_reg()
+    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if fn == ffi.NULL:
+        return {}
+    bufts = ffi.cast("ggml_backend_dev_get_extra_bufts_t", fn)(lib.ggml_backend_reg_dev_get(reg, 0))
+    found: dict[str, Any] = {}
+    i = 0
+    while bufts != ffi.NULL and bufts[i] != ffi.NULL:
+        found[ffi.string(lib.ggml_backend_buft_name(bufts[i])).decode()] = bufts[i]
+        i += 1
+    return found
+
+
+# ggml's AMX kernels are only safe with our patch (vendor/patches/0002: without it, a GCC 12 build
+# dies with SIGILL at the first tile instruction); build_ggml.sh lists the patches it applied
+AMX_PATCH = "0002-amx-kernels.patch"
+_PATCHES_FILE = Path(__file__).resolve().parent.parent / "_libs" / "patches"
+
+
+@functools.cache
+def built_with_patches() -> tuple[str, ...]:
+    """The vendor/patches the ggml libraries were built with (none for a GGML_SRC build)."""
+    try:
+        return tuple(line.strip() for line in _PATCHES_FILE.read_text().splitlines() if line.strip())
+    except OSError:
+        return ()
+
+
+# CPU flash attention with bf16 products on AMX tiles (vendor/patches/0009): ggml's precision
+# GGML_PREC_BF16, a value only the patched ggml knows (an unpatched one aborts on it)
+BF16_ATTENTION_PATCH = "0009-cpu-flash-attn-bf16-amx.patch"
+GGML_PREC_BF16 = 16
+
+
+def bf16_attention_supported() -> bool:
+    """True when ggml was built with vendor/patches/0009, so attention may be asked for bf16
+    products (it then runs them on AMX-BF16 tiles where the CPU has them, in f32 elsewhere)."""
+    return BF16_ATTENTION_PATCH in built_with_patches()
+
+
+def amx_available() -> bool:
+    """True when ggml was built with (patched) AMX kernels and this CPU and kernel let us use them."""
+    if os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0") or AMX_PATCH not in built_with_patches():
+        return False
+    return "AMX" in cpu_extra_buffer_types()
+
+
+def version() -> str:
+    return ffi.string(lib.ggml_version()).decode()
