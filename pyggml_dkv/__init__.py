@@ -1,7 +1,8 @@
 """pyggml_dkv: Python bindings over ggml (cffi) and a DFlash drafter context-KV ring cache.
 
-The pure-Python parts (config, weights, reference) import without the compiled extension;
-everything that touches ggml is loaded on first use.
+The public API, re-exported from the layers (docs/design.md, "Layers"). The pure-Python parts
+(errors, config, weights, the reference) import without the compiled extension; everything that
+touches ggml is loaded on first use.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .model.config import ConfigError, DraftConfig
-from .model.weights import DraftWeights, WeightsError
+from .common.errors import PyggmlDkvError
+from .model.config import DraftConfig
+from .model.errors import CheckpointError, CheckpointNotFoundError, ConfigError, WeightsError
+from .model.weights import DraftWeights
 
 __version__ = "0.1.0"
 
@@ -44,7 +47,8 @@ _LAZY = {
     "Drafter": "drafter.drafter",
 }
 
-__all__ = ["ConfigError", "DraftConfig", "DraftWeights", "WeightsError", *_LAZY]
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "ConfigError", "DraftConfig", "DraftWeights", "PyggmlDkvError",
+           "WeightsError", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

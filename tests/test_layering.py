@@ -157,3 +157,14 @@ except ImportError:
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_every_error_the_package_raises_on_purpose_derives_from_the_base():
+    import pyggml_dkv
+    from pyggml_dkv.ggml import BackendUnavailableError, GGMLError
+
+    for error in (pyggml_dkv.ConfigError, pyggml_dkv.WeightsError, pyggml_dkv.CheckpointError,
+                  pyggml_dkv.CheckpointNotFoundError, GGMLError, BackendUnavailableError):
+        assert issubclass(error, pyggml_dkv.PyggmlDkvError), error
+    assert issubclass(pyggml_dkv.ConfigError, ValueError) and issubclass(GGMLError, RuntimeError)
+    assert issubclass(pyggml_dkv.CheckpointNotFoundError, FileNotFoundError)

@@ -58,3 +58,25 @@ def vocab_matrix(matrix: Any, name: str, weights: BackendWeights, backend: Backe
     if cfg.vocab is not None and arr.shape[0] != cfg.vocab:
         raise ValueError(f"{name} has {arr.shape[0]} rows, the config says vocab={cfg.vocab}")
     return upload_matrix(backend, arr, weights.dtype, name, matmul_only=name == "lm_head" and weights.repack)
+
+
+def check_noise_embed(noise_embed: Any, q_len: int, hidden: int) -> np.ndarray:
+    """The noise block's embeddings: a finite float (q_len, hidden) array."""
+    emb = np.asarray(noise_embed)
+    if emb.shape != (q_len, hidden):
+        raise ValueError(f"noise_embed must have shape (q_len={q_len}, hidden={hidden}), got {emb.shape}")
+    if emb.dtype.kind != "f":
+        raise TypeError(f"noise_embed must be floating point, got dtype {emb.dtype}")
+    if not np.isfinite(emb).all():
+        raise ValueError("noise_embed contains NaN or inf")
+    return emb
+
+
+def check_token_ids(tokens: Any, q_len: int, vocab: int) -> np.ndarray:
+    """The noise block's token ids: q_len integers in [0, vocab)."""
+    ids = np.asarray(tokens)
+    if ids.shape != (q_len,) or ids.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be {q_len} integer ids, got {ids.dtype} {ids.shape}")
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"token ids must be in [0, {vocab}), got range [{ids.min()}, {ids.max()}]")
+    return ids

@@ -19,17 +19,18 @@ from typing import Any
 
 import numpy as np
 
-from ..common.checks import check_choice, is_int
+from ..common.checks import check_choice
 from ..ggml import Backend, GGMLError
 from ..model.backend_weights import BackendWeights
 from ..model.config import DraftConfig
 from . import layers as L
-from .args import ATTENTION_PRECISIONS, CACHE_TYPES, MAX_CAP, check_drafter_args, vocab_matrix  # noqa: F401 (re-exported)
-from .bulk_append import bulk_append, read_rows
-from .features import FeatureRing
-from .masks import SWA_MODES, StepMasks  # noqa: F401 (re-exported)
+from .args import check_drafter_args, check_noise_embed, check_token_ids, vocab_matrix
+from .bulk_append import bulk_append
+from .features import FeatureRing, check_window
+from .masks import StepMasks
 from .slots import SlotBook
 from .step_graph import CacheMemory, Geometry, build_step_graph
+from .step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +83,10 @@ class DraftKvCache:
 
         # host side: slot bookkeeping, masks, and the staging arrays of every step input
         self.slots = SlotBook(cap)
-        self._masks = StepMasks(geo.q_len, groups, cap, geo.kv_total, cap, self.any_full, self.any_swa, swa, cfg.swa_window)
+        masks = StepMasks(geo.q_len, groups, cap, geo.kv_total, cap, self.any_full, self.any_swa, swa, cfg.swa_window)
+        self._inputs = StepInputs(self.memory, geo, self.fc_in, masks)
         self._pending: np.ndarray | None = None  # fold-in positions filled in but not yet computed
         self._ring_seen: tuple[Any, int] | None = None  # (weakref to the last ring, its epoch then)
-        self._ap_feat_host = np.zeros((geo.a_step, self.fc_in), dtype=np.float32)
-        self._ap_pos_host = np.zeros(geo.a_step, dtype=np.int32)
-        self._ap_rows_host = np.full(geo.a_step, geo.trash_slot, dtype=np.int32)
-        self._pos_q_host = np.zeros(geo.q_len, dtype=np.int32)
         log.debug("DraftKvCache %s: %d graph nodes", geo, self.n_nodes)
 
     def _own(self, obj: Any) -> Any:
@@ -172,23 +170,6 @@ class DraftKvCache:
         self._pending = None
 
     # ------------------------------------------------------------------ step
-    def _check_ring(self, ring: FeatureRing, committed: int) -> int:
-        if not isinstance(ring, FeatureRing):
-            raise TypeError(f"ring must be a FeatureRing, got {type(ring).__name__}")
-        if ring.fc_in != self.fc_in:
-            raise ValueError(f"ring has fc_in={ring.fc_in}, this drafter needs fc_in={self.fc_in}")
-        if not is_int(committed):
-            raise TypeError(f"committed must be an int, got {type(committed).__name__}")
-        committed = int(committed)
-        if committed <= 0:
-            raise ValueError(f"committed must be > 0 (the drafter needs at least one context token), got {committed}")
-        if committed > ring.written:
-            raise ValueError(f"committed={committed} but the ring only holds features up to position {ring.written - 1}")
-        if committed - min(committed, self.cap) < ring.oldest:
-            raise ValueError(f"the window [{committed - min(committed, self.cap)}, {committed}) needs positions the ring "
-                             f"has overwritten (oldest kept: {ring.oldest}); make the ring at least cap={self.cap} rows")
-        return committed
-
     def _sync_with_ring(self, ring: FeatureRing) -> None:
         """Drop cached rows the ring no longer vouches for: all of them for another ring, else
         those at or after the lowest position the ring dropped (and maybe rewrote) since."""
@@ -205,7 +186,7 @@ class DraftKvCache:
     def begin_step(self, ring: FeatureRing, committed: int) -> None:
         """Bring the cache up to `committed` and fill every step input except the noise block."""
         self._check_usable()
-        committed = self._check_ring(ring, committed)
+        committed = check_window(ring, committed, self.cap, self.fc_in)
         self._forget_pending()
         self._sync_with_ring(ring)
         if committed < self.slots.next_pos:  # the host rewound: stale rows would shadow live positions
@@ -220,34 +201,13 @@ class DraftKvCache:
                 raise
             self.slots.record(new)
             new = new[:0]
-        self._fill_fold_in(ring, new)
+        self._inputs.fold_in(ring, new)
+        if new.size:
+            self.slots.record(new)
+            self._pending = new
         self.slots.next_pos = committed
         self._ring_seen = (weakref.ref(ring), ring.epoch)
-        np.add(committed, np.arange(self.q_len, dtype=np.int32), out=self._pos_q_host)
-        self.pos_q.set(self._pos_q_host)
-        full, sliding = self._masks.fill(self.slots.slot_pos, lo, committed)
-        if full is not None:
-            self.mask_full.set(full)
-        if sliding is not None:
-            self.mask_swa.set(sliding)
-
-    def _fill_fold_in(self, ring: FeatureRing, positions: np.ndarray) -> None:
-        """Fold-in inputs for `positions` (<= a_step); padding rows go to pos 0, the trash slot."""
-        n = positions.size
-        self._ap_pos_host.fill(0)
-        self._ap_rows_host.fill(self.trash_slot)
-        if n:
-            self._ap_pos_host[:n] = positions
-            self._ap_rows_host[:n] = positions % self.cap
-            if positions[-1] - positions[0] == n - 1:
-                ring.read_into(int(positions[0]), self._ap_feat_host[:n])
-            else:
-                self._ap_feat_host[:n] = read_rows(ring, positions)
-            self.ap_feat.set_bytes(self._ap_feat_host[:n])
-            self.slots.record(positions)
-            self._pending = positions
-        self.ap_pos.set(self._ap_pos_host)
-        self.ap_rows.set(self._ap_rows_host)
+        self._inputs.noise_and_masks(self.slots.slot_pos, lo, committed)
 
     def compute(self) -> None:
         """Run the step graph (after begin_step and the noise block are set)."""
@@ -260,13 +220,7 @@ class DraftKvCache:
             self._check_usable()
             if self.inp_embed is None:
                 raise GGMLError("this cache takes token ids (it was built with embed_tokens): use step_tokens()")
-            emb = np.asarray(noise_embed)
-            if emb.shape != (self.q_len, self.cfg.hidden):
-                raise ValueError(f"noise_embed must have shape (q_len={self.q_len}, hidden={self.cfg.hidden}), got {emb.shape}")
-            if emb.dtype.kind != "f":
-                raise TypeError(f"noise_embed must be floating point, got dtype {emb.dtype}")
-            if not np.isfinite(emb).all():
-                raise ValueError("noise_embed contains NaN or inf")
+            emb = check_noise_embed(noise_embed, self.q_len, self.cfg.hidden)
             self.begin_step(ring, committed)
             self.inp_embed.set(emb)
             self.compute()
@@ -283,12 +237,7 @@ class DraftKvCache:
             check_choice("output", output, ("ids", "logits", "hidden"))
             if output != "hidden" and self.logits is None:
                 raise GGMLError(f"output={output!r} needs the cache to be built with an lm_head")
-            ids = np.asarray(tokens)
-            if ids.shape != (self.q_len,) or ids.dtype.kind not in "iu":
-                raise ValueError(f"tokens must be {self.q_len} integer ids, got {ids.dtype} {ids.shape}")
-            vocab = self.embed_tokens.ne[1]
-            if ids.min() < 0 or ids.max() >= vocab:
-                raise ValueError(f"token ids must be in [0, {vocab}), got range [{ids.min()}, {ids.max()}]")
+            ids = check_token_ids(tokens, self.q_len, self.embed_tokens.ne[1])
             self.begin_step(ring, committed)
             self.inp_tokens.set(ids)
             self.compute()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -157,3 +158,24 @@ class FeatureRing:
         else:
             out[:head] = self._rows[first:first + head]
             out[head:] = self._rows[: n - head]
+
+
+def check_window(ring: FeatureRing, committed: Any, cap: int, fc_in: int) -> int:
+    """`committed` as an int, after checking `ring` holds every feature row of the window
+    [committed - min(committed, cap), committed) a drafter of this fc_in needs."""
+    if not isinstance(ring, FeatureRing):
+        raise TypeError(f"ring must be a FeatureRing, got {type(ring).__name__}")
+    if ring.fc_in != fc_in:
+        raise ValueError(f"ring has fc_in={ring.fc_in}, this drafter needs fc_in={fc_in}")
+    if not is_int(committed):
+        raise TypeError(f"committed must be an int, got {type(committed).__name__}")
+    committed = int(committed)
+    if committed <= 0:
+        raise ValueError(f"committed must be > 0 (the drafter needs at least one context token), got {committed}")
+    if committed > ring.written:
+        raise ValueError(f"committed={committed} but the ring only holds features up to position {ring.written - 1}")
+    lo = committed - min(committed, cap)
+    if lo < ring.oldest:
+        raise ValueError(f"the window [{lo}, {committed}) needs positions the ring has overwritten "
+                         f"(oldest kept: {ring.oldest}); make the ring at least cap={cap} rows")
+    return committed

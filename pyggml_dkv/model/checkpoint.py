@@ -37,9 +37,8 @@ import numpy as np
 
 from .config import DraftConfig
 from .errors import CheckpointError, CheckpointNotFoundError
-from .hf_config import build_target_layer_ids, config_from_hf, config_to_hf  # noqa: F401 (re-exported)
-from .safetensors_io import (  # noqa: F401 (re-exported)
-    SAVE_DTYPES,
+from .hf_config import config_from_hf, config_to_hf
+from .safetensors_io import (
     atomic_write,
     read_safetensors,
     read_safetensors_header,

@@ -12,7 +12,8 @@ import pytest
 
 from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
 
-from pyggml_dkv.model import checkpoint as C
+from pyggml_dkv.model import hf_config as H
+from pyggml_dkv.model import safetensors_io as S
 from pyggml_dkv import reference as R
 from pyggml_dkv.model.errors import CheckpointError, CheckpointNotFoundError
 from pyggml_dkv.model.weights import load_checkpoint, save_checkpoint
@@ -63,7 +64,7 @@ def rewrite_config(ckpt: Path, **changes) -> None:
 
 
 def rewrite_tensors(ckpt: Path, tensors: dict, dtype: str = "float32") -> None:
-    C.write_safetensors(ckpt / "model.safetensors", tensors, dtype)
+    S.write_safetensors(ckpt / "model.safetensors", tensors, dtype)
 
 
 @pytest.fixture
@@ -92,7 +93,7 @@ def test_round_trip_f32_is_bit_exact(tmp_path, name):
     w.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     assert_same(w, DraftWeights.from_pretrained(tmp_path))
-    header, meta = C.read_safetensors_header(tmp_path / "model.safetensors")
+    header, meta = S.read_safetensors_header(tmp_path / "model.safetensors")
     assert meta == {"format": "pt"}
     assert {v["dtype"] for v in header.values()} == {"F32"}
 
@@ -116,7 +117,7 @@ def test_round_trip_low_precision_is_exact_for_representable_values(tmp_path, dt
         rounded = {k: v.astype(np.float16).astype(np.float32) for k, v in w.items()}
     w = DraftWeights(w.cfg, rounded)
     w.save_pretrained(tmp_path, dtype=dtype)
-    header, _ = C.read_safetensors_header(tmp_path / "model.safetensors")
+    header, _ = S.read_safetensors_header(tmp_path / "model.safetensors")
     assert {v["dtype"] for v in header.values()} == {tag}
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == {"BF16": "bfloat16", "F16": "float16"}[tag]
     assert_same(w, DraftWeights.from_pretrained(tmp_path))
@@ -164,7 +165,7 @@ def test_reads_handmade_bf16_f16_f32_file(tmp_path):
         ("f", "F32", [1, 3], f32.astype("<f4").tobytes()),
         ("empty", "F32", [0, 4], b""),
     ], pad=False)
-    got = C.read_safetensors(path)
+    got = S.read_safetensors(path)
     assert set(got) == {"b", "h", "f", "empty"}
     np.testing.assert_array_equal(got["b"], want_bf16)
     assert got["b"][0].tolist() == [1.0, -2.5, 0.15625]
@@ -190,11 +191,11 @@ def test_safetensors_package_interoperates(tmp_path):
     rng = np.random.default_rng(0)
     tensors = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": rng.standard_normal(7).astype(np.float16)}
     st.save_file(tensors, str(tmp_path / "theirs.safetensors"))
-    got = C.read_safetensors(tmp_path / "theirs.safetensors")
+    got = S.read_safetensors(tmp_path / "theirs.safetensors")
     np.testing.assert_array_equal(got["a"], tensors["a"])
     np.testing.assert_array_equal(got["b"], tensors["b"].astype(np.float32))
     for dtype, np_dtype in (("float32", np.float32), ("float16", np.float16)):
-        C.write_safetensors(tmp_path / "ours.safetensors", tensors, dtype)
+        S.write_safetensors(tmp_path / "ours.safetensors", tensors, dtype)
         theirs = st.load_file(str(tmp_path / "ours.safetensors"))
         assert set(theirs) == {"a", "b"}
         for k in tensors:
@@ -208,7 +209,7 @@ def test_unsupported_dtype_is_refused_naming_tensor(tmp_path, tag):
     itemsize = {"F64": 8, "I32": 4, "F8_E4M3": 1, "U8": 1}[tag]
     raw_safetensors(path, [("ok", "F32", [2], b"\0" * 8), ("layers.0.bad", tag, [2], b"\0" * 2 * itemsize)])
     with pytest.raises(CheckpointError, match=rf"layers\.0\.bad.*{tag}"):
-        C.read_safetensors(path)
+        S.read_safetensors(path)
 
 
 def test_unsupported_dtype_in_checkpoint(ckpt):
@@ -258,7 +259,7 @@ def test_corrupt_safetensors_is_refused(tmp_path, corruption, match):
                b' "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}')
         path.write_bytes(struct.pack("<Q", len(hdr)) + hdr + good)
     with pytest.raises(CheckpointError, match=match):
-        C.read_safetensors(path)
+        S.read_safetensors(path)
 
 
 # ------------------------------------------------------------------------------- sharded checkpoints
@@ -272,7 +273,7 @@ def write_sharded(root: Path, w: DraftWeights, prefix: str = "") -> None:
     shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
     weight_map = {}
     for shard, shard_names in shards.items():
-        C.write_safetensors(root / shard, {prefix + n: w[n] for n in shard_names}, "bfloat16" if "1-of" in shard else "float32")
+        S.write_safetensors(root / shard, {prefix + n: w[n] for n in shard_names}, "bfloat16" if "1-of" in shard else "float32")
         weight_map.update({prefix + n: shard for n in shard_names})
     index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
     (root / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -365,14 +366,14 @@ LEGACY_CONFIG = {
 
 
 def test_dflash_saved_config_maps():
-    cfg = C.config_from_hf(DFLASH_SAVED_CONFIG)
+    cfg = H.config_from_hf(DFLASH_SAVED_CONFIG)
     assert cfg == DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8,
                               n_target_layers=3, rms_eps=1e-6, rope_theta=10000.0, mask_token_id=999, vocab=1000,
                               target_layer_ids=[1, 3, 5])
 
 
 def test_legacy_config_maps():
-    cfg = C.config_from_hf(LEGACY_CONFIG)
+    cfg = H.config_from_hf(LEGACY_CONFIG)
     assert (cfg.hidden, cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.ffn) == (2560, 5, 32, 8, 128, 9728)
     assert (cfg.block_size, cfg.n_target_layers, cfg.target_layer_ids) == (16, 5, [1, 9, 17, 25, 33])
     assert (cfg.rope_theta, cfg.freq_scale, cfg.ext_factor, cfg.attn_factor) == (1e6, 1.0, 0.0, 1.0)
@@ -381,47 +382,47 @@ def test_legacy_config_maps():
 
 
 def test_config_to_hf_mirrors_dflash_keys():
-    hf = C.config_to_hf(C.config_from_hf(DFLASH_SAVED_CONFIG))
+    hf = H.config_to_hf(H.config_from_hf(DFLASH_SAVED_CONFIG))
     # every key dflash writes, except transformers' own version stamp; plus block_size at the top
     assert set(hf) == set(DFLASH_SAVED_CONFIG) - {"transformers_version"} | {"block_size"}
     for key in set(hf) - {"num_target_layers", "block_size"}:
         assert hf[key] == DFLASH_SAVED_CONFIG[key], key
-    assert C.config_from_hf(hf) == C.config_from_hf(DFLASH_SAVED_CONFIG)
+    assert H.config_from_hf(hf) == H.config_from_hf(DFLASH_SAVED_CONFIG)
 
 
 def test_dflash_config_takes_precedence_and_defaults():
     hf = dict(DFLASH_SAVED_CONFIG, block_size=4, mask_token_id=1, output_multiplier=2.0)
-    cfg = C.config_from_hf(hf)
+    cfg = H.config_from_hf(hf)
     assert (cfg.block_size, cfg.mask_token_id, cfg.output_multiplier) == (8, 999, 2.0)  # top level as fallback
     dc = {"mask_token_id": 3, "target_layer_ids": [0, 1]}
-    cfg = C.config_from_hf(dict(DFLASH_SAVED_CONFIG, dflash_config=dc))
+    cfg = H.config_from_hf(dict(DFLASH_SAVED_CONFIG, dflash_config=dc))
     assert cfg.block_size == 16 and cfg.n_target_layers == 2  # dflash's default block size
     # no target_layer_ids: dflash's build_target_layer_ids(num_target_layers, num_hidden_layers)
-    cfg = C.config_from_hf(dict(DFLASH_SAVED_CONFIG, dflash_config={"mask_token_id": 3}, num_target_layers=36))
+    cfg = H.config_from_hf(dict(DFLASH_SAVED_CONFIG, dflash_config={"mask_token_id": 3}, num_target_layers=36))
     assert cfg.target_layer_ids == [1, 33] and cfg.n_target_layers == 2
-    assert C.build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert H.build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     # absent rope entirely: transformers' default theta
     hf = {k: v for k, v in DFLASH_SAVED_CONFIG.items() if k != "rope_parameters"}
-    assert C.config_from_hf(hf).rope_theta == 10000.0
+    assert H.config_from_hf(hf).rope_theta == 10000.0
     # rope_parameters' own theta wins over a top-level one
-    assert C.config_from_hf(dict(DFLASH_SAVED_CONFIG, rope_theta=5.0)).rope_theta == 10000.0
+    assert H.config_from_hf(dict(DFLASH_SAVED_CONFIG, rope_theta=5.0)).rope_theta == 10000.0
     # softcap 0 / null mean none, as in dflash's compute_logits
     for cap in (0, None):
         hf = dict(DFLASH_SAVED_CONFIG, dflash_config=dict(DFLASH_SAVED_CONFIG["dflash_config"], final_logit_softcapping=cap))
-        assert C.config_from_hf(hf).final_logit_softcapping is None
+        assert H.config_from_hf(hf).final_logit_softcapping is None
 
 
 def test_sliding_layers_mapping():
     hf = dict(DFLASH_SAVED_CONFIG, use_sliding_window=True, sliding_window=6,
               layer_types=["sliding_attention", "full_attention"])
-    cfg = C.config_from_hf(hf)
+    cfg = H.config_from_hf(hf)
     assert cfg.layer_types == ["sliding", "full"] and cfg.swa_window == 6
     # layer_types absent: Qwen3Config derives them from max_window_layers
     hf = {k: v for k, v in hf.items() if k != "layer_types"}
-    assert C.config_from_hf(dict(hf, max_window_layers=1)).layer_types == ["full", "sliding"]
-    assert C.config_from_hf(dict(hf, max_window_layers=28)).layer_types == ["full", "full"]
+    assert H.config_from_hf(dict(hf, max_window_layers=1)).layer_types == ["full", "sliding"]
+    assert H.config_from_hf(dict(hf, max_window_layers=28)).layer_types == ["full", "full"]
     # use_sliding_window false discards the window, as Qwen3Config does
-    cfg = C.config_from_hf(dict(hf, use_sliding_window=False, max_window_layers=0))
+    cfg = H.config_from_hf(dict(hf, use_sliding_window=False, max_window_layers=0))
     assert cfg.layer_types == ["full", "full"] and cfg.swa_window == 0
 
 
@@ -457,7 +458,7 @@ def hf_yarn(theta, dim, factor, orig, beta_fast=32, beta_slow=1, attention_facto
 def test_yarn_mapping_matches_transformers_formula(rope, kw):
     theta = 1e6
     hf = dict(DFLASH_SAVED_CONFIG, rope_parameters=dict(rope, rope_theta=theta))
-    cfg = C.config_from_hf(hf)
+    cfg = H.config_from_hf(hf)
     factor, orig = rope["factor"], rope["original_max_position_embeddings"]
     assert cfg.freq_scale == 1 / factor and cfg.ext_factor == 1.0 and cfg.n_ctx_orig == orig
     assert (cfg.beta_fast, cfg.beta_slow) == (kw.get("beta_fast", 32), kw.get("beta_slow", 1))
@@ -473,19 +474,19 @@ def test_yarn_mapping_matches_transformers_formula(rope, kw):
 def test_rope_variants_mapping():
     base = {k: v for k, v in DFLASH_SAVED_CONFIG.items() if k != "rope_parameters"}
     # 4.x style: rope_theta + rope_scaling (rope_scaling wins over rope_parameters, like transformers)
-    cfg = C.config_from_hf(dict(base, rope_theta=5e5, rope_scaling={"type": "yarn", "factor": 4.0},
+    cfg = H.config_from_hf(dict(base, rope_theta=5e5, rope_scaling={"type": "yarn", "factor": 4.0},
                                 rope_parameters={"rope_type": "default"}, max_position_embeddings=65536))
     assert (cfg.rope_theta, cfg.freq_scale, cfg.n_ctx_orig) == (5e5, 0.25, 65536)  # orig <- max_position_embeddings
-    cfg = C.config_from_hf(dict(base, rope_scaling={"rope_type": "yarn", "factor": 4.0},
+    cfg = H.config_from_hf(dict(base, rope_scaling={"rope_type": "yarn", "factor": 4.0},
                                 original_max_position_embeddings=1000))
     assert cfg.n_ctx_orig == 1000  # a top-level original_max_position_embeddings wins
-    cfg = C.config_from_hf(dict(base, rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 4096},
+    cfg = H.config_from_hf(dict(base, rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 4096},
                                 max_position_embeddings=32768))
     assert cfg.freq_scale == 1 / 8  # factor from max_position_embeddings / original
-    cfg = C.config_from_hf(dict(base, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}))
+    cfg = H.config_from_hf(dict(base, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}))
     assert (cfg.freq_scale, cfg.ext_factor, cfg.attn_factor) == (0.5, 0.0, 1.0)
     same = {"rope_type": "default", "rope_theta": 123.0}
-    cfg = C.config_from_hf(dict(base, rope_parameters={"full_attention": same, "sliding_attention": same}))
+    cfg = H.config_from_hf(dict(base, rope_parameters={"full_attention": same, "sliding_attention": same}))
     assert cfg.rope_theta == 123.0
 
 
@@ -532,7 +533,7 @@ def test_config_refusals(tmp_path, changes, match):
         else:
             hf[key] = value
     with pytest.raises(CheckpointError, match=match):
-        C.config_from_hf(hf)
+        H.config_from_hf(hf)
     # and through load_checkpoint, naming config.json
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(CheckpointError, match="config.json"):

@@ -1,0 +1,49 @@
+"""StepInputs: fills the step graph's persistent inputs from numpy before each compute: the
+fold-in rows (features, positions, ring slots; padding to the trash slot), the noise positions
+and the masks. Host staging arrays are allocated once; a step allocates nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .bulk_append import read_rows
+from .features import FeatureRing
+from .masks import StepMasks
+from .step_graph import CacheMemory, Geometry
+
+
+class StepInputs:
+    def __init__(self, mem: CacheMemory, geo: Geometry, fc_in: int, masks: StepMasks) -> None:
+        self.mem, self.geo, self.masks = mem, geo, masks
+        self._feat = np.zeros((geo.a_step, fc_in), dtype=np.float32)
+        self._pos = np.zeros(geo.a_step, dtype=np.int32)
+        self._rows = np.full(geo.a_step, geo.trash_slot, dtype=np.int32)
+        self._pos_q = np.zeros(geo.q_len, dtype=np.int32)
+        self._q_offsets = np.arange(geo.q_len, dtype=np.int32)
+
+    def fold_in(self, ring: FeatureRing, positions: np.ndarray) -> None:
+        """The fold-in rows of `positions` (ascending, at most a_step); padding rows go to
+        position 0 in the trash slot, so the graph's shape never changes."""
+        n, cap = positions.size, self.geo.cap
+        self._pos.fill(0)
+        self._rows.fill(self.geo.trash_slot)
+        if n:
+            self._pos[:n] = positions
+            self._rows[:n] = positions % cap
+            if positions[-1] - positions[0] == n - 1:
+                ring.read_into(int(positions[0]), self._feat[:n])
+            else:  # a refill below and new rows above (after a rewind)
+                self._feat[:n] = read_rows(ring, positions)
+            self.mem.ap_feat.set_bytes(self._feat[:n])  # only the real rows: padding reads stale, finite rows
+        self.mem.ap_pos.set(self._pos)
+        self.mem.ap_rows.set(self._rows)
+
+    def noise_and_masks(self, slot_pos: np.ndarray, lo: int, committed: int) -> None:
+        """Noise positions committed + j, and the masks of the window [lo, committed)."""
+        np.add(committed, self._q_offsets, out=self._pos_q)
+        self.mem.pos_q.set(self._pos_q)
+        full, sliding = self.masks.fill(slot_pos, lo, committed)
+        if full is not None:
+            self.mem.mask_full.set(full)
+        if sliding is not None:
+            self.mem.mask_swa.set(sliding)
