@@ -9,11 +9,12 @@ is the facade that re-exports the public API lazily and may name any layer.
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.child import run_in_child
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pyggml_dkv"
 
@@ -135,27 +136,33 @@ def test_the_checker_sees_deferred_and_relative_imports(tmp_path):
     assert "pyggml_dkv.ggml" not in imports  # under TYPE_CHECKING only
 
 
+def run_without_the_extension(layer: str) -> None:
+    """Child side: block the compiled ggml extension, import `layer`, run a reference step."""
+    import importlib
+
+    sys.modules["pyggml_dkv._ggml_cffi"] = None  # type: ignore[assignment]  # importing it now raises ImportError
+    import numpy as np
+
+    importlib.import_module(layer)
+    from pyggml_dkv import DraftConfig, DraftWeights
+    from pyggml_dkv import reference as R
+
+    cfg = DraftConfig.toy()
+    w = DraftWeights.random(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    out = R.reference_step(w, rng.standard_normal((40, cfg.fc_in)), 40, 32, rng.standard_normal((cfg.block_size, cfg.hidden)))
+    assert out.shape == (cfg.block_size, cfg.hidden) and np.isfinite(out).all()
+    assert "pyggml_dkv.ggml" not in sys.modules
+    try:
+        import pyggml_dkv.ggml  # noqa: F401
+    except ImportError:
+        print("ok")
+
+
 @pytest.mark.parametrize("layer", ["pyggml_dkv.reference", "pyggml_dkv.model"])
 def test_reference_and_model_stand_alone_without_the_ggml_extension(layer):
     """The numpy oracle and the model files must work where the compiled ggml cannot load."""
-    code = f"""
-import sys
-sys.modules["pyggml_dkv._ggml_cffi"] = None  # importing it now raises ImportError
-import numpy as np
-import {layer}
-from pyggml_dkv import DraftConfig, DraftWeights, reference as R
-cfg = DraftConfig.toy()
-w = DraftWeights.random(cfg, seed=0)
-rng = np.random.default_rng(0)
-out = R.reference_step(w, rng.standard_normal((40, cfg.fc_in)), 40, 32, rng.standard_normal((cfg.block_size, cfg.hidden)))
-assert out.shape == (cfg.block_size, cfg.hidden) and np.isfinite(out).all()
-assert "pyggml_dkv.ggml" not in sys.modules
-try:
-    import pyggml_dkv.ggml
-except ImportError:
-    print("ok")
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = run_in_child("tests.test_layering:run_without_the_extension", layer, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.child import run_in_child
+
 from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter
 from pyggml_dkv import reference as R
 from pyggml_dkv.model.backend_weights import upload_matrix
@@ -166,36 +168,12 @@ def test_extra_buffer_types_are_listed_by_name():
 
 
 @needs_amx
-def test_amx_survives_another_amx_user_on_the_same_thread(tmp_path):
+def test_amx_survives_another_amx_user_on_the_same_thread():
     """oneDNN (PyTorch bf16 matmuls) releases the AMX tiles on the thread it ran on; ggml must
     configure them again for its next product instead of dying with SIGILL (vendor/patches/0002),
     and so must attention on AMX-BF16 tiles (attention="bf16", vendor/patches/0009)."""
     pytest.importorskip("torch")
-    script = tmp_path / "mix.py"
-    script.write_text(
-        "import numpy as np, torch\n"
-        "from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing, bf16_attention_supported\n"
-        "cfg = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8, n_target_layers=2)\n"
-        "be = Backend('cpu', n_threads=1)  # ggml computes on this (main) thread, like torch\n"
-        "bw = DraftWeights.random(cfg, seed=1).to_backend(be, 'q8_0')\n"
-        "assert bw.n_repacked > 0\n"
-        "ring = FeatureRing(64, cfg.fc_in); ring.append(np.ones((20, cfg.fc_in), np.float32))\n"
-        "noise = np.full((8, cfg.hidden), 0.5, np.float32)\n"
-        "caches = [DraftKvCache(bw, be, 64)]\n"
-        "if bf16_attention_supported():\n"
-        "    caches.append(DraftKvCache(bw, be, 64, attention='bf16'))\n"
-        "firsts = [c.step(ring, 20, noise) for c in caches]\n"
-        "torch.set_num_threads(1)\n"
-        "a = torch.randn(256, 512, dtype=torch.bfloat16)\n"
-        "for _ in range(3):\n"
-        "    (a @ a.T).sum().item()\n"
-        "    for cache, first in zip(caches, firsts):\n"
-        "        assert np.array_equal(first, cache.step(ring, 20, noise))\n"
-        "print('ok')\n")
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    proc = run_in_child("tests.ggml.amx_child:amx_next_to_torch")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.returncode, proc.stderr[-2000:])
 
 

@@ -1,0 +1,31 @@
+"""The child side of tests/ggml/test_amx.py's AMX-next-to-PyTorch test (it needs a process of its own:
+oneDNN and ggml share the thread's AMX tile state)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def amx_next_to_torch() -> None:
+    import torch
+
+    from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing, bf16_attention_supported
+
+    cfg = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8, n_target_layers=2)
+    be = Backend("cpu", n_threads=1)  # ggml computes on this (main) thread, like torch
+    bw = DraftWeights.random(cfg, seed=1).to_backend(be, "q8_0")
+    assert bw.n_repacked > 0
+    ring = FeatureRing(64, cfg.fc_in)
+    ring.append(np.ones((20, cfg.fc_in), np.float32))
+    noise = np.full((8, cfg.hidden), 0.5, np.float32)
+    caches = [DraftKvCache(bw, be, 64)]
+    if bf16_attention_supported():
+        caches.append(DraftKvCache(bw, be, 64, attention="bf16"))
+    firsts = [c.step(ring, 20, noise) for c in caches]
+    torch.set_num_threads(1)
+    a = torch.randn(256, 512, dtype=torch.bfloat16)
+    for _ in range(3):
+        (a @ a.T).sum().item()
+        for cache, first in zip(caches, firsts):
+            assert np.array_equal(first, cache.step(ring, 20, noise))
+    print("ok")
