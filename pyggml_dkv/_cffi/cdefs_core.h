@@ -251,5 +251,10 @@ ggml_backend_reg_t ggml_backend_cpu_reg(void);
 int ggml_cpu_has_avx512(void);
 int ggml_cpu_has_f16c(void);
 
+/* ---- the build stamp compiled into the extension (_cffi/build.py; checked by pyggml_dkv._stamp) ---- */
+const char *pyggml_dkv_built_ggml_version(void);
+const char *pyggml_dkv_built_variant(void);
+const char *pyggml_dkv_built_patches(void);
+
 /* Python-side callbacks */
 extern "Python" void _pyggml_log_callback(enum ggml_log_level level, const char * text, void * user_data);
