@@ -50,7 +50,8 @@ def _child(group: str, log_path: str) -> int:  # noqa: C901 - one function per g
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    sys.path.insert(0, str(ROOT))
+    # after PYTHONPATH: scripts/memcheck.sh runs this on a copy of the package put first there
+    sys.path.append(str(ROOT))
     import pyggml_dkv.draft_kv as dkv
     from pyggml_dkv import (
         Backend, BackendWeights, DraftConfig, DraftKvCache, DraftKvState, DraftWeights, Drafter, FeatureRing,
