@@ -134,6 +134,7 @@ struct ggml_tensor * ggml_get_rows(struct ggml_context * ctx, struct ggml_tensor
 /* graphs */
 size_t ggml_graph_overhead_custom(size_t size, bool grads);
 struct ggml_cgraph * ggml_new_graph_custom(struct ggml_context * ctx, size_t size, bool grads);
+void ggml_graph_add_node(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
 void ggml_build_forward_expand(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
 int  ggml_graph_n_nodes(struct ggml_cgraph * cgraph);
 int  ggml_graph_size(struct ggml_cgraph * cgraph);
