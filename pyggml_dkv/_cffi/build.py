@@ -82,6 +82,8 @@ def make_ffibuilder() -> FFI:
         "pyggml_dkv._ggml_cffi",
         source,
         include_dirs=[str(INCLUDE_DIR)],
+        # relink whenever ggml was rebuilt, even when the generated C source is unchanged
+        depends=[*archives, str(LIBS / "link-args"), str(EXPORTS_MAP)],
         extra_link_args=[
             "-Wl,--start-group", *archives, "-Wl,--end-group",
             # ggml's symbols stay inside the extension: hidden, and only PyInit_* exported
