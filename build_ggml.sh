@@ -186,4 +186,4 @@ else
     : > "$PREFIX/patches"
 fi
 echo "$KEY" > "$STAMP"   # last: an interrupted build is never taken as up to date
-say "built ggml $GGML_VERSION ($VARIANT) in $(( $(date +%s) - start ))s into pyggml_dkv/_libs"
+say "built ggml $BUILT_VERSION ($VARIANT) in $(( $(date +%s) - start ))s into pyggml_dkv/_libs"
