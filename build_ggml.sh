@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Fetch the pinned ggml release, verify it, and build its shared libraries into
-# pyggml_dkv/_libs/ (lib/ + include/), where the cffi extension links against them.
+# Fetch the pinned ggml release, verify it, and build it as position-independent static
+# libraries into pyggml_dkv/_libs/ (lib/*.a + include/). The cffi extension links them in and
+# exports nothing of ggml, so it can live in a process that also loads llama.cpp's own ggml
+# (README: "Inside a llama.cpp host"). Nothing under _libs/lib is shipped or loaded at run time.
 #
 #   ./build_ggml.sh                 CPU backend (native SIMD)
 #   GGML_CUDA=1 ./build_ggml.sh     + CUDA backend (cuBLAS from the toolkit or the nvidia-cublas wheel)
@@ -98,7 +100,10 @@ command -v "${CXX:-c++}" >/dev/null || die "no C++ compiler found (apt-get insta
 
 CMAKE_ARGS=(
     -DCMAKE_BUILD_TYPE="${GGML_BUILD_TYPE:-Release}"
-    -DBUILD_SHARED_LIBS=ON
+    # static and -fPIC: linked into the extension, whose symbols stay private (no SONAME that a
+    # llama.cpp in the same process could match, no ggml_* symbol it could bind to)
+    -DBUILD_SHARED_LIBS=OFF
+    -DCMAKE_POSITION_INDEPENDENT_CODE=ON
     -DGGML_NATIVE=ON
     # llamafile's tinyBLAS kernels for the products neither AMX nor our f16 kernel takes
     # (f32, bf16, q8_0 off AMX: ~1.5x at a draft block's 16-50 rows; wide one-shot products)
@@ -107,14 +112,15 @@ CMAKE_ARGS=(
     -DGGML_BUILD_EXAMPLES=OFF
     -DGGML_CCACHE=OFF
     -DCMAKE_INSTALL_LIBDIR=lib
-    # the libraries find each other next to themselves wherever the package is installed
-    -DCMAKE_INSTALL_RPATH='$ORIGIN'
-    -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON
 )
 VARIANT="cpu"
+# what the extension must link besides the static ggml libraries (written to _libs/link-args for
+# pyggml_dkv/_cffi/build.py): shared system and toolkit libraries, which are safe to share
+LINK_ARGS=(-lstdc++ -lm -ldl -lpthread)
 
 if [ "${GGML_SANITIZE:-}" = address ]; then
-    CMAKE_ARGS+=(-DGGML_SANITIZE_ADDRESS=ON -DGGML_BUILD_TYPE=RelWithDebInfo)
+    CMAKE_ARGS+=(-DGGML_SANITIZE_ADDRESS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo)
+    LINK_ARGS+=(-fsanitize=address)   # the instrumented ggml needs the ASan runtime (preloaded at run time)
     VARIANT="$VARIANT-asan"
 fi
 
@@ -126,7 +132,7 @@ fi
 if [ "${GGML_CUDA:-0}" = 1 ]; then
     # shellcheck source=/dev/null
     . "$ROOT/scripts/cuda_env.sh"
-    cuda_configure   # appends to CMAKE_ARGS, or dies naming what is missing
+    cuda_configure   # appends to CMAKE_ARGS and LINK_ARGS, or dies naming what is missing
     VARIANT="$VARIANT-cuda"
 fi
 
@@ -135,7 +141,7 @@ BUILD="$VENDOR/build/$VARIANT"
 STAMP="$PREFIX/.build-stamp"
 KEY="$SRC_ID|$VARIANT|${CMAKE_ARGS[*]}"
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] && [ -f "$PREFIX/lib/libggml.so" ] \
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] && [ -f "$PREFIX/lib/libggml.a" ] \
    && [ "${SRC_ID#custom:}" = "$SRC_ID" ]; then
     say "ggml $GGML_VERSION ($VARIANT) is up to date in pyggml_dkv/_libs"
     exit 0
@@ -154,7 +160,24 @@ rm -rf "$PREFIX"
 cmake --install "$BUILD" --prefix "$PREFIX" > "$BUILD.install.log" 2>&1 \
     || { tail -n 20 "$BUILD.install.log" >&2; die "cmake install failed"; }
 rm -rf "$PREFIX/lib/cmake" "$PREFIX/lib/pkgconfig"
-echo "$KEY" > "$STAMP"
+# ggml's CPU backend uses OpenMP when the compiler has it (libgomp stays a shared library)
+if grep -q '^GGML_OPENMP_ENABLED:INTERNAL=ON' "$BUILD/CMakeCache.txt"; then
+    LINK_ARGS+=(-fopenmp)
+fi
+printf '%s\n' "${LINK_ARGS[@]}" > "$PREFIX/link-args"
+# the ggml version the sources say they are (ggml_version() must answer it at run time)
+tree_version() {
+    local part v=""
+    for part in MAJOR MINOR PATCH; do
+        v="$v.$(sed -n "s/^set(GGML_VERSION_$part \([0-9]*\))/\1/p" "$SRC/CMakeLists.txt" | head -n 1)"
+    done
+    echo "${v#.}"
+}
+BUILT_VERSION="$(tree_version)"
+if [ "${SRC_ID#custom:}" = "$SRC_ID" ] && [ "$BUILT_VERSION" != "$GGML_VERSION" ]; then
+    die "vendor/ggml says it is ggml $BUILT_VERSION, but vendor/ggml.pin pins $GGML_VERSION"
+fi
+echo "$BUILT_VERSION" > "$PREFIX/version"
 echo "$VARIANT" > "$PREFIX/variant"
 # which of our patches the libraries carry: the package uses AMX only with 0002 (GCC 12 fix)
 if [ "${SRC_ID#custom:}" = "$SRC_ID" ]; then
@@ -162,4 +185,5 @@ if [ "${SRC_ID#custom:}" = "$SRC_ID" ]; then
 else
     : > "$PREFIX/patches"
 fi
-say "built ggml $GGML_VERSION ($VARIANT) in $(( $(date +%s) - start ))s into pyggml_dkv/_libs"
+echo "$KEY" > "$STAMP"   # last: an interrupted build is never taken as up to date
+say "built ggml $BUILT_VERSION ($VARIANT) in $(( $(date +%s) - start ))s into pyggml_dkv/_libs"

@@ -1,4 +1,4 @@
-"""Builds ggml (through build_ggml.sh) when its libraries are missing, then the cffi extension."""
+"""Builds ggml (through build_ggml.sh) when its static libraries are missing, then the cffi extension."""
 
 import os
 import subprocess
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent
 
 
 def ensure_ggml_built() -> None:
-    if (ROOT / "pyggml_dkv" / "_libs" / "lib" / "libggml.so").exists():
+    if (ROOT / "pyggml_dkv" / "_libs" / "lib" / "libggml.a").exists():
         return
     env = dict(os.environ, PYTHON=sys.executable)
     subprocess.check_call(["bash", str(ROOT / "build_ggml.sh")], env=env)

@@ -254,43 +254,32 @@ def roofline_s(cost: dict, bw_gbs: float, gflops: float) -> dict:
 
 # ---------------------------------------------------------------------------- per-op profiler
 class OpProfiler:
-    """Times every node of a built ggml graph on its own (a one-node ggml_graph_view per node).
+    """Times every node of a built ggml graph on its own (a one-node graph per node).
 
-    ggml_graph_view is exported by libggml-base but not part of the package's cffi declarations,
-    so it is reached through an ABI-mode cffi of our own (struct layout of the pinned ggml 0.10.1).
-    Each per-node compute pays the CPU backend's per-graph overhead (plan + OpenMP fork/join); that
-    overhead is measured on no-op nodes (VIEW/RESHAPE/PERMUTE) and subtracted.
+    Each node is put alone in a one-node graph of its own (ggml_graph_add_node), which the backend
+    computes like the whole graph's node. Each per-node compute pays the CPU backend's per-graph
+    overhead (plan + OpenMP fork/join); that overhead is measured on no-op nodes
+    (VIEW/RESHAPE/PERMUTE) and subtracted.
     """
 
     NOOPS = {"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"}
 
     def __init__(self, graph, backend, noise_input) -> None:  # noqa: ANN001
-        from cffi import FFI
-
-        import pyggml_dkv
+        from pyggml_dkv.ggml import Context
         from pyggml_dkv.ggml._lowlevel import ffi as pffi
         from pyggml_dkv.ggml._lowlevel import lib as plib
 
-        self.ffi = FFI()
-        self.ffi.cdef("""
-            struct ggml_hash_set { size_t size; uint32_t * used; void ** keys; };
-            struct ggml_cgraph { int size; int n_nodes; int n_leafs; void ** nodes; void ** grads; void ** grad_accs;
-                                 void ** leafs; int32_t * use_counts; struct ggml_hash_set visited_hash_set;
-                                 int order; uint64_t uid; };
-            struct ggml_cgraph ggml_graph_view(struct ggml_cgraph * cgraph, int i0, int i1);
-            int ggml_backend_graph_compute(void * backend, struct ggml_cgraph * cgraph);
-        """)
-        libdir = Path(pyggml_dkv.__file__).resolve().parent / "_libs" / "lib"
-        self.lib = self.ffi.dlopen(str(libdir / "libggml-base.so"))
         addr = lambda p: int(pffi.cast("uintptr_t", p))  # noqa: E731
         self.graph = graph
         self.backend = backend
-        g = self.ffi.cast("struct ggml_cgraph *", addr(graph.handle))
-        if self.lib.ggml_graph_view(g, 0, 1).n_nodes != 1:  # pragma: no cover - layout check
-            raise RuntimeError("ggml_cgraph layout mismatch")
         self.n = graph.n_nodes
-        self.views = [self.ffi.new("struct ggml_cgraph *", self.lib.ggml_graph_view(g, i, i + 1)) for i in range(self.n)]
-        self.b = self.ffi.cast("void *", addr(backend.handle))
+        self.lib = plib
+        self.views_ctx = Context(mem_size=self.n * int(plib.ggml_graph_overhead_custom(1, False)) + 1024)
+        self.views = []
+        for i in range(self.n):
+            view = plib.ggml_new_graph_custom(self.views_ctx.handle, 1, False)
+            plib.ggml_graph_add_node(view, graph.node(i).ptr)
+            self.views.append(view)
         # classify the nodes: phase (fold-in / noise: depends on the noise input) and kind
         noise_dep = {addr(noise_input.ptr)}
         self.labels = []
@@ -325,7 +314,7 @@ class OpProfiler:
         with self.backend.lock:
             for v in self.views:
                 t = time.perf_counter()
-                status = self.lib.ggml_backend_graph_compute(self.b, v)
+                status = self.lib.ggml_backend_graph_compute(self.backend.handle, v)
                 times.append(time.perf_counter() - t)
                 if status != 0:
                     raise RuntimeError(f"per-node compute failed with status {status}")

@@ -1,5 +1,6 @@
 # Sourced by build_ggml.sh when GGML_CUDA=1: find the CUDA toolkit and cuBLAS, pick GPU
-# architectures, and append the CMake arguments of a CUDA build to CMAKE_ARGS.
+# architectures, and append the CMake arguments of a CUDA build to CMAKE_ARGS and what the
+# extension must link for it (CUDA runtime, cuBLAS, driver) to LINK_ARGS.
 #
 # cuBLAS is taken, in order, from: $CUBLAS_ROOT; the toolkit itself; an `nvidia` pip package
 # already installed in this Python (PyTorch's CUDA wheels bring one); vendor/cuda-deps; or else it
@@ -110,7 +111,18 @@ cuda_configure() {
         -DCUDA_cublasLt_LIBRARY="$link_dir/libcublasLt.so"
         "-DCMAKE_CUDA_FLAGS=-I$CUBLAS_INCLUDE"
         "-DCMAKE_CXX_FLAGS=-I$CUBLAS_INCLUDE"
-        # find cuBLAS and the CUDA runtime where they are, wherever the package is installed
-        "-DCMAKE_INSTALL_RPATH=\$ORIGIN;$CUBLAS_LIB;$CUDART_DIR"
     )
+    # the static libggml-cuda.a leaves the CUDA runtime and cuBLAS shared: the extension links
+    # them and finds them where they are, wherever the package is installed
+    LINK_ARGS+=(
+        "-L$link_dir" "-L$CUDART_DIR" -lcublas -lcublasLt -lcudart
+        "-Wl,-rpath,$CUBLAS_LIB" "-Wl,-rpath,$CUDART_DIR"
+    )
+    if [ "$vmm" = OFF ]; then
+        # ggml's VMM pool calls the driver API: link the driver (its stub when the toolkit has one;
+        # the real libcuda.so.1 is loaded at run time)
+        local driver="$CUDA_TOOLKIT/lib64/stubs/libcuda.so"
+        [ -e "$driver" ] || driver="$(ldconfig -p 2>/dev/null | sed -n 's/.*libcuda\.so.* => //p' | head -n 1)"
+        LINK_ARGS+=("$driver")
+    fi
 }

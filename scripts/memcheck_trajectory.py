@@ -14,7 +14,9 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# the checkout, after PYTHONPATH: scripts/memcheck.sh puts a copy of the package with the
+# valgrind-friendly extension first
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import pyggml_dkv.drafter.bulk_append as dkv  # noqa: E402
 from pyggml_dkv import (  # noqa: E402
@@ -85,9 +87,12 @@ def main() -> int:
     backend.close()
     left = {k: v for k, v in live_objects().items() if v}
     assert not left, left
-    with open("/proc/self/maps") as maps:
-        libs = sorted({line.split()[-1] for line in maps if "libggml-cpu" in line})
-    print(f"memcheck trajectory ok: {steps} steps (ggml CPU library: {', '.join(libs)})", flush=True)
+    from pyggml_dkv import _ggml_cffi, _lowlevel
+    from pyggml_dkv._stamp import extension_build
+
+    built = extension_build(_lowlevel.ffi, _lowlevel.lib)
+    print(f"memcheck trajectory ok: {steps} steps (extension {_ggml_cffi.__file__}: {built.version}, {built.variant})",
+          flush=True)
     return 0
 
 

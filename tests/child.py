@@ -35,4 +35,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if not __package__:  # run as a script (scripts/memcheck.sh): the package copy on PYTHONPATH stays first
+        sys.path.append(str(ROOT))
     sys.exit(main(sys.argv[1:]))

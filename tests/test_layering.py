@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pyggml_dkv"
 ALLOWED: dict[str, set[str]] = {
     "common": set(),
     "_cffi": set(),  # the build script of the extension: cffi only
-    "ggml": {"common", "_ggml_cffi"},
+    "ggml": {"common", "_ggml_cffi", "_cffi"},  # _cffi.stamp: the build stamp checked at import
     "model": {"common", "ggml"},
     "reference": {"common", "model"},
     "drafter": {"common", "ggml", "model"},

@@ -1,44 +1,80 @@
-"""cffi out-of-line API build of pyggml_dkv._ggml_cffi against the ggml in pyggml_dkv/_libs.
+"""cffi out-of-line API build of pyggml_dkv._ggml_cffi with the ggml in pyggml_dkv/_libs linked in.
 
 Run by setuptools (``cffi_modules`` in setup.py). The declarations live next to this file; the
 CUDA and RPC ones are added only when build_ggml.sh built those backends, so the compiler checks
 exactly what the linked libraries provide.
+
+ggml is linked statically and kept private: every symbol of the static libraries becomes local
+(``--exclude-libs,ALL``) and the version script ``exports.map`` exports only the module's init
+function. A process that also loads llama.cpp's own ggml (same SONAMEs, same symbol names, other
+version) then cannot bind either library to the other's functions. The build stamp (ggml version,
+variant, applied patches) is compiled into the extension; pyggml_dkv._cffi.stamp checks it at import.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-LIBS = HERE.parent / "_libs"
+# PYGGML_DKV_GGML_PREFIX: link another build_ggml.sh-style prefix (scripts/memcheck.sh uses it)
+LIBS = Path(os.environ.get("PYGGML_DKV_GGML_PREFIX", HERE.parent / "_libs")).resolve()
 LIB_DIR = LIBS / "lib"
 INCLUDE_DIR = LIBS / "include"
+EXPORTS_MAP = HERE / "exports.map"
+# static libraries: dependents before what they use (the group below tolerates any order anyway)
+CORE_LIBRARIES = ["ggml", "ggml-cpu", "ggml-base"]
 
 
 def built_backends() -> list[str]:
     """Optional backends present in the ggml build (besides the always-built CPU one)."""
-    found = []
-    if (LIB_DIR / "libggml-cuda.so").exists():
-        found.append("cuda")
-    if (LIB_DIR / "libggml-rpc.so").exists():
-        found.append("rpc")
-    return found
+    return [name for name in ("cuda", "rpc") if (LIB_DIR / f"libggml-{name}.a").exists()]
+
+
+def read_lines(name: str) -> list[str]:
+    """Non-empty lines of a file build_ggml.sh wrote into the prefix ([] when it is absent)."""
+    path = LIBS / name
+    if not path.exists():
+        return []
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+
+
+def c_string(text: str) -> str:
+    """`text` as a C string literal (build stamps hold only printable ASCII)."""
+    if not text.isascii() or not text.isprintable():
+        raise RuntimeError(f"unexpected characters in a ggml build stamp: {text!r}")
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def stamp_source() -> str:
+    """C definitions of the build stamp the import-time check reads back (cdefs_core.h)."""
+    version = read_lines("version")
+    variant = read_lines("variant")
+    if not version or not variant:
+        raise RuntimeError(f"{LIBS} has no version or variant file: rebuild ggml with ./build_ggml.sh")
+    patches = ",".join(read_lines("patches"))
+    return (
+        f"static const char *pyggml_dkv_built_ggml_version(void) {{ return {c_string(version[0])}; }}\n"
+        f"static const char *pyggml_dkv_built_variant(void) {{ return {c_string(variant[0])}; }}\n"
+        f"static const char *pyggml_dkv_built_patches(void) {{ return {c_string(patches)}; }}\n"
+    )
 
 
 def make_ffibuilder() -> FFI:
-    if not (LIB_DIR / "libggml.so").exists():
-        raise RuntimeError(f"ggml is not built: {LIB_DIR / 'libggml.so'} is missing; run ./build_ggml.sh")
+    if not (LIB_DIR / "libggml.a").exists():
+        raise RuntimeError(f"ggml is not built: {LIB_DIR / 'libggml.a'} is missing; run ./build_ggml.sh")
     optional = built_backends()
     cdefs = (HERE / "cdefs_core.h").read_text()
     includes = ["ggml.h", "ggml-alloc.h", "ggml-backend.h", "ggml-cpu.h"]
-    libraries = ["ggml", "ggml-base", "ggml-cpu"]
+    libraries = list(CORE_LIBRARIES)
     for name in optional:
         cdefs += (HERE / f"cdefs_{name}.h").read_text()
         includes.append(f"ggml-{name}.h")
-        libraries.append(f"ggml-{name}")
-    source = "\n".join(f'#include "{h}"' for h in includes)
+        libraries.insert(0, f"ggml-{name}")
+    source = "\n".join(f'#include "{h}"' for h in includes) + "\n" + stamp_source()
+    archives = [str(LIB_DIR / f"lib{name}.a") for name in libraries]
 
     ffibuilder = FFI()
     ffibuilder.cdef(cdefs)
@@ -46,10 +82,16 @@ def make_ffibuilder() -> FFI:
         "pyggml_dkv._ggml_cffi",
         source,
         include_dirs=[str(INCLUDE_DIR)],
-        library_dirs=[str(LIB_DIR)],
-        libraries=libraries,
-        # the extension finds the ggml libraries shipped inside the package, wherever it is installed
-        extra_link_args=["-Wl,-rpath,$ORIGIN/_libs/lib"],
+        # relink whenever ggml was rebuilt, even when the generated C source is unchanged
+        depends=[*archives, str(LIBS / "link-args"), str(EXPORTS_MAP)],
+        extra_link_args=[
+            "-Wl,--start-group", *archives, "-Wl,--end-group",
+            # ggml's symbols stay inside the extension: hidden, and only PyInit_* exported
+            "-Wl,--exclude-libs,ALL",
+            f"-Wl,--version-script={EXPORTS_MAP}",
+            # what ggml needs from the system (libstdc++, libgomp, CUDA runtime, ...), shared
+            *read_lines("link-args"),
+        ],
     )
     return ffibuilder
 

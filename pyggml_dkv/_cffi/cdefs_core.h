@@ -134,6 +134,7 @@ struct ggml_tensor * ggml_get_rows(struct ggml_context * ctx, struct ggml_tensor
 /* graphs */
 size_t ggml_graph_overhead_custom(size_t size, bool grads);
 struct ggml_cgraph * ggml_new_graph_custom(struct ggml_context * ctx, size_t size, bool grads);
+void ggml_graph_add_node(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
 void ggml_build_forward_expand(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
 int  ggml_graph_n_nodes(struct ggml_cgraph * cgraph);
 int  ggml_graph_size(struct ggml_cgraph * cgraph);
@@ -250,6 +251,11 @@ ggml_backend_reg_t ggml_backend_cpu_reg(void);
 /* what the CPU backend was compiled for (non-zero: yes) */
 int ggml_cpu_has_avx512(void);
 int ggml_cpu_has_f16c(void);
+
+/* ---- the build stamp compiled into the extension (_cffi/build.py; checked by pyggml_dkv._stamp) ---- */
+const char *pyggml_dkv_built_ggml_version(void);
+const char *pyggml_dkv_built_variant(void);
+const char *pyggml_dkv_built_patches(void);
 
 /* Python-side callbacks */
 extern "Python" void _pyggml_log_callback(enum ggml_log_level level, const char * text, void * user_data);

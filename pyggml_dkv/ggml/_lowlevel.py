@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+from .._cffi.stamp import check_extension
+
 try:
     from .._ggml_cffi import ffi, lib
 except ImportError as exc:  # pragma: no cover - depends on the install
@@ -16,6 +18,9 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         f"({exc}). Install the package with `pip install -e .` (it builds ggml through "
         "build_ggml.sh), or run ./build_ggml.sh and reinstall."
     ) from exc
+
+# the extension must run the ggml recorded in pyggml_dkv/_libs (version, variant, patches)
+check_extension(ffi, lib)
 
 __all__ = ["ffi", "lib"]
 

@@ -1,0 +1,149 @@
+"""ggml is private to the extension: nothing shipped exports or imports a ggml symbol, no shared
+libggml is shipped, and the import-time stamp check refuses an extension that does not run the
+recorded ggml build (issue 13)."""
+
+from __future__ import annotations
+
+import ctypes.util
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import pyggml_dkv
+import pyggml_dkv.ggml
+from pyggml_dkv._cffi import stamp as _stamp
+from pyggml_dkv._cffi.stamp import BuildStamp, check_extension, expected_build, extension_build
+from pyggml_dkv.ggml import _lowlevel
+
+from tests.child import run_in_child
+from tests.ggml.elf_dynsym import dynamic_symbols
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parent
+PACKAGE = Path(pyggml_dkv.__file__).resolve().parent
+
+
+def extension_path() -> Path:
+    import pyggml_dkv._ggml_cffi as ext
+
+    return Path(ext.__file__).resolve()
+
+
+def shipped_shared_objects() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.so*") if p.is_file())
+
+
+def mentions_ggml(name: str) -> bool:
+    return "ggml" in name or "gguf" in name
+
+
+def test_only_the_extension_is_a_shared_object():
+    shipped = shipped_shared_objects()
+    assert shipped == [extension_path()], f"shared objects in the package: {shipped}"
+    assert not list((PACKAGE / "_libs").rglob("libggml*.so*"))
+
+
+def test_extension_exports_only_its_init_and_imports_no_ggml():
+    exported, undefined = dynamic_symbols(extension_path())
+    assert exported == {"PyInit__ggml_cffi"}
+    assert not [name for name in undefined if mentions_ggml(name)]
+
+
+def test_symbol_reader_sees_exports_of_a_real_library():
+    """The reader is not blind: libc exports malloc, and the extension needs it from outside."""
+    libc = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                 if "/libc.so" in line or "/libc-" in line), None) or ctypes.util.find_library("c")
+    exported, _ = dynamic_symbols(Path(libc))
+    assert {"malloc", "free"} <= exported
+    _, undefined = dynamic_symbols(extension_path())
+    assert "malloc" in undefined
+
+
+def test_package_data_ships_no_ggml_library():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pyggml_dkv"]
+    assert not [pattern for pattern in data if pattern.startswith("_libs/lib")]
+    assert {"_libs/version", "_libs/variant", "_libs/patches"} <= set(data)
+
+
+def test_cpu_backend_is_registered_in_the_static_build():
+    cpu = pyggml_dkv.available_backends()[0]
+    assert cpu.name == "cpu" and cpu.available
+    assert any(d["name"] == "CPU" and d["registry"] == "CPU" for d in pyggml_dkv.list_devices())
+
+
+def test_extension_stamp_is_the_recorded_build_of_the_pin():
+    built = extension_build(_lowlevel.ffi, _lowlevel.lib)
+    assert built == expected_build()
+    assert built.variant == (PACKAGE / "_libs" / "variant").read_text().strip()
+    assert pyggml_dkv.ggml.built_with_patches() == built.patches
+    pin = dict(line.split("=", 1) for line in (ROOT / "vendor" / "ggml.pin").read_text().splitlines()
+               if "=" in line and not line.startswith("#"))
+    if built.patches:  # a pinned build (a GGML_SRC build applies no patches and has its own version)
+        assert built.version == pin["GGML_VERSION"]
+        assert built.patches == tuple(sorted(p.name for p in (ROOT / "vendor" / "patches").glob("*.patch")))
+
+
+def run_child(function: str, *args: str, tmp_path: Path) -> str:
+    out = tmp_path / "out.txt"
+    proc = run_in_child(f"tests.ggml.private_ggml_cases:{function}", *args, str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out.read_text()
+
+
+@pytest.mark.parametrize("change", ["version", "patches"])
+def test_stamp_mismatch_is_an_import_error_naming_both(change, tmp_path):
+    built = extension_build(_lowlevel.ffi, _lowlevel.lib)
+    version = "0.25.3" if change == "version" else ""
+    if change == "patches":  # one patch fewer, or (a GGML_SRC build has none) one more
+        patches = ",".join(built.patches[:-1] if built.patches else ("0009-cpu-flash-attn-bf16-amx.patch",))
+    else:
+        patches = ",".join(built.patches)
+    message = run_child("import_with_expected", version, patches, tmp_path=tmp_path)
+    assert message.startswith("ImportError: ")
+    fake = BuildStamp(version or built.version, built.variant, tuple(p for p in patches.split(",") if p))
+    assert str(built) in message and str(fake) in message
+
+
+def test_unchanged_expectation_imports(tmp_path):
+    built = extension_build(_lowlevel.ffi, _lowlevel.lib)
+    assert run_child("import_with_expected", "", ",".join(built.patches), tmp_path=tmp_path) == "imported"
+
+
+class _FakeFfi:
+    @staticmethod
+    def string(value: bytes) -> bytes:
+        return value
+
+
+class _ForeignGgml:
+    """An extension whose stamp is ours but whose ggml calls reach another ggml (the old failure)."""
+
+    def __init__(self, built: BuildStamp, running_version: str) -> None:
+        self.built, self.running_version = built, running_version
+
+    def pyggml_dkv_built_ggml_version(self) -> bytes:
+        return self.built.version.encode()
+
+    def pyggml_dkv_built_variant(self) -> bytes:
+        return self.built.variant.encode()
+
+    def pyggml_dkv_built_patches(self) -> bytes:
+        return ",".join(self.built.patches).encode()
+
+    def ggml_version(self) -> bytes:
+        return self.running_version.encode()
+
+
+def test_another_ggml_answering_is_an_import_error():
+    built = expected_build()
+    assert check_extension(_FakeFfi(), _ForeignGgml(built, built.version)) == built
+    with pytest.raises(ImportError, match=r"built with ggml .* but the ggml answering its calls is version 0\.25\.3"):
+        check_extension(_FakeFfi(), _ForeignGgml(built, "0.25.3"))
+
+
+def test_missing_record_names_what_is_missing(tmp_path):
+    stamp = _stamp.expected_build(tmp_path)
+    assert stamp.version == "(not recorded)" and stamp.patches == ()
