@@ -25,6 +25,7 @@ _LAZY = {
     "Backend": "ggml",
     "BackendInfo": "ggml",
     "BackendUnavailableError": "ggml",
+    "RemoteBackendError": "ggml",
     "Buffer": "ggml",
     "Context": "ggml",
     "Gallocr": "ggml",
