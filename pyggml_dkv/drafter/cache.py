@@ -126,7 +126,7 @@ class DraftKvCache:
         self.any_full = not all(self.layer_swa)
         # CPU flash attention: each K/V head's query heads folded into extra query rows, so the
         # masks carry one row per folded row (row j + q_len*g = query j), uploaded that way
-        self.fold_gqa = G.fold_gqa(cfg, backend.is_cpu)
+        self.fold_gqa = G.fold_gqa(cfg, backend.computes_on_cpu)  # also on an RPC server's CPU
         self.mask_rows = self.q_len * (G.group_size(cfg) if self.fold_gqa else 1)
         kv_bytes = 2 * cfg.n_layer * self.kv_total * cfg.head_dim * cfg.n_head_kv * (2 if cache_type == "f16" else 4)
         log.debug("DraftKvCache cap=%d kv_total=%d a_step=%d: %.1f MiB of K/V", self.cap, self.kv_total, self.a_step, kv_bytes / 2**20)
@@ -275,6 +275,7 @@ class DraftKvCache:
         if getattr(self, "_closed", False):
             raise GGMLError("DraftKvCache is closed")
         self.backend._check_open()
+        self.backend.check_connection()  # RPC: a failed connection lost this cache's state for good
         if self.weights.closed:
             raise GGMLError("the cache's BackendWeights were closed")
 

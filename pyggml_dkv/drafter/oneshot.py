@@ -38,7 +38,7 @@ class _WindowGraph:
         self.pos_q = i.new_tensor("i32", q_len, name="pos_q")
         self.inp_embed = i.new_tensor("f32", cfg.hidden, q_len, name="inp_embed")
         # one mask row per folded query row (see DraftKvCache.mask_rows)
-        fold = G.fold_gqa(cfg, be.is_cpu)
+        fold = G.fold_gqa(cfg, be.computes_on_cpu)
         self.groups = G.group_size(cfg) if fold else 1
         self.mask_full = i.new_tensor("f16", n_kv, q_len * self.groups, name="mask_full")
         self.mask_swa = i.new_tensor("f16", n_kv, q_len * self.groups, name="mask_swa")
