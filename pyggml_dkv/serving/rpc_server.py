@@ -13,9 +13,11 @@ time; when it closes (or dies), the server frees that client's buffers and waits
   libgomp's default policy they spin for a while before sleeping; on a busy machine the spinning
   threads take the time slices of the ones that have work (steps 7-10x slower measured). So the
   server runs with OMP_WAIT_POLICY=PASSIVE unless the environment already sets it. libgomp reads
-  the variable once, when the ggml library is loaded, so it is set here before pyggml_dkv.ggml is
-  first imported. `serve()` called from a process that already loaded ggml cannot change it: it
-  logs a warning then (start the server with `python -m ...` or RpcServerProcess instead).
+  the variable once, when it is loaded with ggml. The program therefore re-executes itself once
+  with the variable in its environment (so it holds from the first instruction, whatever loads
+  OpenMP, and shows in /proc/PID/environ). `serve()` called from Python sets it if ggml is not
+  loaded yet, and otherwise logs a warning (start the server with `python -m ...` or
+  RpcServerProcess instead).
 - SIGTERM / SIGINT: logged, then the process exits with status 0 at once (ggml's server loop
   cannot be interrupted from outside; the OS closes the connection and frees everything).
 - Version rule: run the server and its clients from the same pyggml_dkv version. The client
@@ -237,7 +239,19 @@ class RpcServerProcess:
             self.kill()
 
 
+def _reexec_with_wait_policy(argv: list[str]) -> None:
+    """Replace this process by the same program with OMP_WAIT_POLICY set (once: only if unset)."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    env = dict(os.environ, OMP_WAIT_POLICY=WAIT_POLICY)
+    os.execve(sys.executable, [sys.executable, "-m", __spec__.name if __spec__ else "pyggml_dkv.serving.rpc_server",
+                               *argv], env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+        _reexec_with_wait_policy(argv)
     parser = argparse.ArgumentParser(prog="python -m pyggml_dkv.serving.rpc_server",
                                      description="Serve this machine's CPU or GPU to pyggml_dkv clients over ggml RPC "
                                                  "(no authentication, no encryption: trusted networks only).")
