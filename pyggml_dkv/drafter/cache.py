@@ -24,6 +24,7 @@ from . import layers as G
 from ..model.backend_weights import BackendWeights, upload_matrix
 from ..model.config import DraftConfig
 from .features import FeatureRing
+from ..ggml.delta import DeltaUpload
 from ..ggml import BF16_ATTENTION_PATCH, Backend, Buffer, Context, Gallocr, GGMLError, Graph, Tensor, bf16_attention_supported
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,8 @@ class DraftKvCache:
                 t.set_input()
         self.mem_buf = self._own(Buffer.alloc_ctx_tensors(m, self.backend))
         self.mem_buf.clear(0)
+        # masks change in a few key columns per step: over RPC only those bytes travel
+        self._mask_uploads = {id(t): DeltaUpload.for_tensor(t) for t in (self.mask_full, self.mask_swa) if t is not None}
         self.noise_rows.set(np.arange(self.cap, self.cap + self.q_len, dtype=np.int32))
         self.ap_rows.set(np.full(self.a_step, self.trash_slot, dtype=np.int32))
 
@@ -395,7 +398,7 @@ class DraftKvCache:
         live = (slot >= committed - win) & (slot < committed)
         if self.mask_full is not None:
             self._mask_full_host[:, :cap] = np.where(live, np.float16(0), neg)
-            self.mask_full.set(self._mask_full_host)
+            self._mask_uploads[id(self.mask_full)].upload(self._mask_full_host)
         if self.mask_swa is not None:
             window = self.cfg.swa_window
             if self.swa == "seed":
@@ -407,7 +410,7 @@ class DraftKvCache:
                 self._mask_swa_rows[:, :, :cap] = np.where(visible, np.float16(0), neg)
                 noise_dist = self._q_offsets - self._q_offsets.T  # q - i
                 self._mask_swa_rows[:, :, cap:cap + self.q_len] = np.where((noise_dist >= 0) & (noise_dist < window), np.float16(0), neg)
-            self.mask_swa.set(self._mask_swa_host)
+            self._mask_uploads[id(self.mask_swa)].upload(self._mask_swa_host)
 
     def _bulk_append(self, ring: FeatureRing, start: int, end: int) -> None:
         """Append rows [start, end) with temporary exact-size graphs, freed afterwards."""

@@ -18,9 +18,9 @@ import numpy as np
 from ._lowlevel import ffi, lib
 from .tensor import Tensor, _on_rpc, check_rpc_transfer
 
-# a changed run costs its bytes plus one message (~110 bytes of RPC header); a run is as costly
-# as this many unchanged bytes sent along
-RUN_COST_BYTES = 128
+# a changed run costs its bytes plus one RPC message: command, sizes, the 296-byte serialized
+# tensor and the offset (~313 bytes); so a run is worth as many unchanged bytes sent along
+RUN_COST_BYTES = 320
 
 
 class DeltaUpload:

@@ -77,6 +77,10 @@ class CountingRelay:
         self._closed = True
         self._listener.close()
         for s in self._socks:
+            try:  # wakes the relay threads blocked in recv and sends the FIN close() alone would not
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             s.close()
 
     def __enter__(self) -> "CountingRelay":
