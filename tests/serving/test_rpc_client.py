@@ -137,3 +137,17 @@ def test_frozen_server_times_out(server):
     server.resume()
     buf.close()
     be.close()
+
+
+def test_server_busy_with_another_client_is_refused_in_bounded_time(server):
+    """Another process holding the server (here: a raw connection past its handshake)."""
+    other = socket.create_connection(("127.0.0.1", server.port))
+    other.sendall(struct.pack("<BQ", rpc.RPC_CMD_HELLO, rpc.CONN_CAPS_SIZE) + bytes(rpc.CONN_CAPS_SIZE))
+    other.recv(8 + rpc.HELLO_RESPONSE_SIZE)
+    t0 = time.monotonic()
+    with pytest.raises(BackendUnavailableError, match="one client at a time"):
+        Backend(server.spec, timeout_s=1)
+    assert time.monotonic() - t0 < 5
+    other.close()
+    with Backend(server.spec, timeout_s=5) as be:  # free again once the other client left
+        assert be.device_type == "cpu"
