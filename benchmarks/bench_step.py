@@ -22,8 +22,8 @@ What one step is. Per step `n_new` (default q_len/2 + 1: half the block accepted
 new context rows are committed and the q_len noise rows are drafted:
   * kv_*: the caches are built with cap=4096 (the production geometry: attention always spans
     kv_total = align_up(4096 + q_len + 1, 32) rows, masks carry the window). Before each timed step
-    the cache's host bookkeeping is rewound by n_new positions (next_pos and slot_pos of those
-    positions: the partial truncate the cache has no public API for; no device work), so every
+    the cache is rewound by n_new positions (DraftKvCache.rewind: a partial rewind, host
+    bookkeeping only, no device work), so every
     timed step folds in exactly n_new rows through the step graph's fold-in path and attends to
     exactly W context positions, like the steady state of a request whose window is W.
     `--cap-per-window` instead builds a cache with cap=W per window and lets committed grow by
@@ -110,9 +110,10 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from pyggml_dkv.common.numeric import relative_error  # noqa: E402
 from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter  # noqa: E402
 from pyggml_dkv.ggml import bf16_attention_supported, cuda_graph_stats  # noqa: E402
-from pyggml_dkv.model.weights import expected_shapes, is_norm  # noqa: E402
+from pyggml_dkv.model.tensor_names import expected_shapes, is_norm  # noqa: E402
 
 CAP = 4096
 CONFIGS = {
@@ -151,12 +152,6 @@ def stats(samples_s: list[float]) -> dict:
         return {"n": 0}
     return {"n": int(a.size), "median_ms": float(np.median(a)), "p10_ms": float(np.percentile(a, 10)),
             "p90_ms": float(np.percentile(a, 90)), "min_ms": float(a.min()), "samples_ms": [round(float(x), 4) for x in a]}
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 # ---------------------------------------------------------------------------- machine probes
@@ -375,23 +370,10 @@ def no_grad():  # noqa: ANN201
 
 
 def rewind_cache(cache: DraftKvCache, pos: int) -> None:
-    """Forget positions >= pos in the cache's host bookkeeping (a partial truncate; no device work).
-
-    Those rows stay in the cache memory but are masked out; the next begin_step folds them in again
-    through the step graph's fold-in path (n_new <= a_step rows), exactly as in a steady-state step.
-    """
-    if cache.next_pos <= pos:
-        return
-    if cache.next_pos - pos > cache.cap:
-        cache.reset()
-        return
-    positions = np.arange(pos, cache.next_pos, dtype=np.int64)
-    slots = positions % cache.cap
-    hit = cache.slot_pos[slots] == positions
-    cache.slot_pos[slots[hit]] = -1
-    cache.next_pos = pos
-    if getattr(cache, "_pending_from", None) is not None:
-        cache._pending_from = None
+    """Drop positions >= pos from the cache (DraftKvCache.rewind: no device work); the next
+    begin_step folds them in again through the step graph's fold-in, as in a steady-state step."""
+    if cache.next_pos > pos:
+        cache.rewind(pos)
 
 
 class KvSystem:
@@ -543,7 +525,7 @@ class Bench:
             ref = outs["torch_fp32"]
             for name, out in outs.items():
                 if name != "torch_fp32":
-                    res["errors_vs_torch_fp32"][name] = rel_err(out, ref)
+                    res["errors_vs_torch_fp32"][name] = relative_error(out, ref)
         active = list(self.systems)
         runners = {s: self._runner(s, window) for s in active}
         for s, (prep, step) in runners.items():  # a second untimed step each (allocator, caches, OpenMP pools)
@@ -594,7 +576,6 @@ class Bench:
                 cache.begin_step(self.ring, c)
                 cache.inp_embed.set(self.noise)
                 runs.append(prof.run())
-            cache._pending_from = None  # the fold-in was computed (node by node, outside StepGraph.compute)
             out[name] = prof.summarize(runs)
             out[name]["threads"] = pt
         return out

@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import pyggml_dkv.drafter.cache as dkv  # noqa: E402
+import pyggml_dkv.drafter.bulk_append as dkv  # noqa: E402
 from pyggml_dkv import (  # noqa: E402
     Backend, DraftConfig, DraftKvCache, DraftWeights, Drafter, FeatureRing, OneShotDrafter, live_objects,
 )

@@ -10,11 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
+
 from pyggml_dkv.model import checkpoint as C
 from pyggml_dkv import reference as R
-from pyggml_dkv.model.checkpoint import CheckpointError, CheckpointNotFoundError, load_checkpoint, save_checkpoint
+from pyggml_dkv.model.errors import CheckpointError, CheckpointNotFoundError
+from pyggml_dkv.model.weights import load_checkpoint, save_checkpoint
 from pyggml_dkv.model.config import DraftConfig
-from pyggml_dkv.model.weights import DraftWeights, expected_shapes
+from pyggml_dkv.model.tensor_names import expected_shapes
+from pyggml_dkv.model.weights import DraftWeights
 
 SMALL = dict(hidden=32, n_layer=2, n_head=4, n_head_kv=2, head_dim=8, ffn=48, block_size=4, n_target_layers=3)
 
@@ -88,7 +92,7 @@ def test_round_trip_f32_is_bit_exact(tmp_path, name):
     w.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     assert_same(w, DraftWeights.from_pretrained(tmp_path))
-    header, meta, _ = C.read_safetensors_header(tmp_path / "model.safetensors")
+    header, meta = C.read_safetensors_header(tmp_path / "model.safetensors")
     assert meta == {"format": "pt"}
     assert {v["dtype"] for v in header.values()} == {"F32"}
 
@@ -107,12 +111,12 @@ def test_round_trip_yarn_attention_factor(tmp_path):
 def test_round_trip_low_precision_is_exact_for_representable_values(tmp_path, dtype, tag):
     w = DraftWeights.random(small_cfg(), seed=4)
     if tag == "BF16":
-        rounded = {k: C.bf16_bits_to_f32(C.f32_to_bf16_bits(v)) for k, v in w.items()}
+        rounded = {k: from_bf16_bits(to_bf16_bits(v)) for k, v in w.items()}
     else:
         rounded = {k: v.astype(np.float16).astype(np.float32) for k, v in w.items()}
     w = DraftWeights(w.cfg, rounded)
     w.save_pretrained(tmp_path, dtype=dtype)
-    header, _, _ = C.read_safetensors_header(tmp_path / "model.safetensors")
+    header, _ = C.read_safetensors_header(tmp_path / "model.safetensors")
     assert {v["dtype"] for v in header.values()} == {tag}
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == {"BF16": "bfloat16", "F16": "float16"}[tag]
     assert_same(w, DraftWeights.from_pretrained(tmp_path))
@@ -124,23 +128,23 @@ def test_bf16_save_rounds_to_nearest_even(tmp_path):
     x = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8 + 2**-20), -0.0, 2**-130],
                  dtype=np.float32)
     want = np.array([1.0, 1.0, 1 + 2**-6, 1 + 2**-7, -(1 + 2**-7), -0.0, 2**-130], dtype=np.float32)
-    got = C.bf16_bits_to_f32(C.f32_to_bf16_bits(x))
+    got = from_bf16_bits(to_bf16_bits(x))
     assert got.tobytes() == want.tobytes()  # ties to even, signed zero and subnormals kept
     y = np.array([3.0e38, -123.456, 7e-3, 1.5e-38], dtype=np.float32)
-    got = C.bf16_bits_to_f32(C.f32_to_bf16_bits(y))
+    got = from_bf16_bits(to_bf16_bits(y))
     assert np.all(np.abs(got - y) <= np.abs(y) * 2**-8) and np.all(np.isfinite(got))
     # saving unrounded f32 weights as bf16 stores exactly these roundings
     w = DraftWeights.random(small_cfg(), seed=5)
     w.save_pretrained(tmp_path, dtype="bfloat16")
     back = DraftWeights.from_pretrained(tmp_path)
     for name in w:
-        np.testing.assert_array_equal(back[name], C.bf16_bits_to_f32(C.f32_to_bf16_bits(w[name])), err_msg=name)
+        np.testing.assert_array_equal(back[name], from_bf16_bits(to_bf16_bits(w[name])), err_msg=name)
         assert np.abs(back[name] - w[name]).max() <= np.abs(w[name]).max() * 2**-8
 
 
 def test_bf16_bits_nan_and_inf():
     x = np.array([np.inf, -np.inf, np.nan], dtype=np.float32)
-    got = C.bf16_bits_to_f32(C.f32_to_bf16_bits(x))
+    got = from_bf16_bits(to_bf16_bits(x))
     assert got[0] == np.inf and got[1] == -np.inf and np.isnan(got[2])
 
 
@@ -149,7 +153,7 @@ def test_bf16_bits_nan_and_inf():
 
 def test_reads_handmade_bf16_f16_f32_file(tmp_path):
     bf16_vals = np.array([[1.0, -2.5, 0.15625], [3.0e38, -1e-39, 0.0]], dtype=np.float32)  # bf16-exact? rounded below
-    bf16_bits = C.f32_to_bf16_bits(bf16_vals)
+    bf16_bits = to_bf16_bits(bf16_vals)
     want_bf16 = (bf16_bits.astype(np.uint32) << 16).view(np.float32)
     f16 = np.array([0.5, -65504.0, 6.1e-5], dtype=np.float16)
     f32 = np.array([np.pi, -1e-45, 1e38], dtype=np.float32)
@@ -174,11 +178,11 @@ def test_bf16_checkpoint_written_by_hand_loads(tmp_path):
     """A bf16 checkpoint whose file we did not write ourselves (header unpadded, names unsorted)."""
     w = DraftWeights.random(small_cfg(), seed=6)
     save_checkpoint(w, tmp_path)
-    entries = [(n, "BF16", list(a.shape), C.f32_to_bf16_bits(a).astype("<u2").tobytes()) for n, a in reversed(list(w.items()))]
+    entries = [(n, "BF16", list(a.shape), to_bf16_bits(a).astype("<u2").tobytes()) for n, a in reversed(list(w.items()))]
     raw_safetensors(tmp_path / "model.safetensors", entries, pad=False)
     back = load_checkpoint(tmp_path)
     for name in w:
-        np.testing.assert_array_equal(back[name], C.bf16_bits_to_f32(C.f32_to_bf16_bits(w[name])))
+        np.testing.assert_array_equal(back[name], from_bf16_bits(to_bf16_bits(w[name])))
 
 
 def test_safetensors_package_interoperates(tmp_path):
@@ -201,36 +205,31 @@ def test_safetensors_package_interoperates(tmp_path):
 @pytest.mark.parametrize("tag", ["F64", "I32", "F8_E4M3", "U8"])
 def test_unsupported_dtype_is_refused_naming_tensor(tmp_path, tag):
     path = tmp_path / "x.safetensors"
-    raw_safetensors(path, [("ok", "F32", [2], b"\0" * 8), ("layers.0.bad", tag, [2], b"\0" * 16)])
+    itemsize = {"F64": 8, "I32": 4, "F8_E4M3": 1, "U8": 1}[tag]
+    raw_safetensors(path, [("ok", "F32", [2], b"\0" * 8), ("layers.0.bad", tag, [2], b"\0" * 2 * itemsize)])
     with pytest.raises(CheckpointError, match=rf"layers\.0\.bad.*{tag}"):
         C.read_safetensors(path)
 
 
 def test_unsupported_dtype_in_checkpoint(ckpt):
+    from safetensors.numpy import save_file
+
     tensors = dict(load_checkpoint(ckpt).items())
-    del tensors["norm.weight"]
-    rewrite_tensors(ckpt, tensors)
-    entries = []
-    header, _, start = C.read_safetensors_header(ckpt / "model.safetensors")
-    blob = (ckpt / "model.safetensors").read_bytes()
-    for name, info in header.items():
-        b, e = info["data_offsets"]
-        entries.append((name, "F32", info["shape"], blob[start + b:start + e]))
-    entries.append(("norm.weight", "F64", [32], np.ones(32).tobytes()))
-    raw_safetensors(ckpt / "model.safetensors", entries)
+    tensors["norm.weight"] = np.ones(32, dtype=np.float64)
+    save_file(tensors, str(ckpt / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"'norm\.weight' has dtype F64"):
         load_checkpoint(ckpt)
 
 
 @pytest.mark.parametrize("corruption, match", [
-    ("short", "not a safetensors file"),
-    ("huge_header", "corrupt safetensors header length"),
-    ("not_json", "not valid JSON"),
-    ("bad_size", r"needs 16 bytes"),
-    ("out_of_file", "outside the"),
-    ("overlap", "overlap"),
-    ("unknown_dtype", "unknown safetensors dtype"),
-    ("duplicate", "duplicate key"),
+    ("short", "not a valid safetensors file.*header too small"),
+    ("huge_header", "not a valid safetensors file.*invalid header length"),
+    ("not_json", "not a valid safetensors file.*invalid JSON"),
+    ("bad_size", r"not a valid safetensors file.*invalid shape, data type, or offset"),
+    ("out_of_file", "not a valid safetensors file.*not fully covered"),
+    ("overlap", "not a valid safetensors file.*invalid offset for tensor `b`"),
+    ("unknown_dtype", "not a valid safetensors file.*Q4_K"),
+    ("duplicate", "duplicate key 'a'"),
 ])
 def test_corrupt_safetensors_is_refused(tmp_path, corruption, match):
     path = tmp_path / "x.safetensors"
@@ -285,7 +284,7 @@ def test_sharded_index_loads(tmp_path):
     back = load_checkpoint(tmp_path)
     names = sorted(w)
     for i, name in enumerate(names):
-        want = C.bf16_bits_to_f32(C.f32_to_bf16_bits(w[name])) if i < len(names) // 2 else w[name]
+        want = from_bf16_bits(to_bf16_bits(w[name])) if i < len(names) // 2 else w[name]
         np.testing.assert_array_equal(back[name], want, err_msg=name)
     assert back.cfg == w.cfg
 

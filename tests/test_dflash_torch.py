@@ -36,8 +36,9 @@ torch = pytest.importorskip("torch", exc_type=ImportError)
 transformers = pytest.importorskip("transformers", exc_type=ImportError)
 dflash_model = pytest.importorskip("dflash.model", exc_type=ImportError)
 
+from pyggml_dkv.common.numeric import relative_error  # noqa: E402
 from pyggml_dkv import reference as R  # noqa: E402
-from pyggml_dkv.model.checkpoint import load_checkpoint  # noqa: E402
+from pyggml_dkv.model.weights import load_checkpoint  # noqa: E402
 from pyggml_dkv.model.config import DraftConfig  # noqa: E402
 from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
 
@@ -53,10 +54,6 @@ def _few_threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
 
 
 def qwen3_config(*, layer_types=None, sliding_window=None, rope_theta=10000.0, rope_scaling=None,
@@ -117,7 +114,7 @@ def compare(model, w: DraftWeights, committed: int, ctx_len: int, parity_log, ca
     feats, noise = inputs(committed, ctx_len, seed)
     got = dflash_forward(model, feats, noise, committed)
     want = R.draft_forward(w, feats, np.arange(committed - ctx_len, committed), noise, committed, swa="per_row")
-    err = rel_err(got, want)
+    err = relative_error(got, want)
     parity_log("dflash torch vs reference", "f32 vs f64", err, case)
     assert err <= TOL, f"{case}: max|a-b|/max|b| = {err:.3e}"
     return err
@@ -201,7 +198,7 @@ def test_logits_match_compute_logits(tmp_path, parity_log):
     assert np.abs(got).max() > 2.0  # the soft cap (3.0) is exercised
     want = R.draft_forward(w, feats, np.arange(committed - ctx_len, committed), noise, committed,
                            swa="per_row", lm_head=lm_head)
-    err = rel_err(got, want)
+    err = relative_error(got, want)
     parity_log("dflash torch vs reference", "logits f32 vs f64", err, "softcap 3, multiplier 0.7")
     assert err <= TOL
 
@@ -226,7 +223,7 @@ def test_dflash_cached_steps_match_reference(tmp_path, parity_log, case):
         got = dflash_forward(model, all_feats[start:committed], noise, committed, cache=cache)
         dflash_model._crop_to(cache, committed)
         want = R.draft_forward(w, all_feats[:committed], np.arange(committed), noise, committed, swa="per_row")
-        err = rel_err(got, want)
+        err = relative_error(got, want)
         parity_log("dflash torch vs reference", "cached f32 vs f64", err, f"{case} step {step} c={committed}")
         assert err <= TOL, f"step {step}: {err:.3e}"
 
@@ -274,6 +271,6 @@ def test_ring_cache_matches_dflash_cached_generation(tmp_path, cpu, parity_log, 
             want = dflash_forward(model, all_feats[start:committed], noise, committed, cache=cache_t)
             dflash_model._crop_to(cache_t, committed)
             got = cache.step(ring, committed, noise)
-            err = rel_err(got, want)
+            err = relative_error(got, want)
             parity_log("ring cache vs dflash torch", "f32 vs f32", err, f"{case} step {step} c={committed}")
             assert err <= TOL, f"step {step}: {err:.3e}"

@@ -99,7 +99,7 @@ def test_bulk_append_uses_temporaries_that_are_freed(small, cpu):
 
 
 def test_bulk_append_in_several_chunks(cpu, monkeypatch):
-    import pyggml_dkv.drafter.cache as dkv
+    import pyggml_dkv.drafter.bulk_append as dkv
 
     monkeypatch.setattr(dkv, "BULK_CHUNK", 16)  # force 3+ chunks, one partial
     cfg, w = make()
@@ -381,7 +381,7 @@ def test_bf16_attention(cpu, cpu_has_amx_bf16, cache_type):
 
 
 def test_bf16_attention_refusals(small, cpu, monkeypatch):
-    import pyggml_dkv.drafter.cache as D
+    import pyggml_dkv.drafter.args as D
 
     _, _, bw = small
     with pytest.raises(ValueError, match="attention"):

@@ -61,7 +61,8 @@ def _child(group: str, log_path: str) -> int:  # noqa: C901 - one function per g
     from pyggml_dkv.model.config import ConfigError
     from pyggml_dkv.ggml import Buffer, Context, Gallocr, GGMLError, Graph
     from pyggml_dkv.common.numeric import relative_error
-    from pyggml_dkv.model.weights import WeightsError, expected_shapes
+    from pyggml_dkv.model.errors import WeightsError
+    from pyggml_dkv.model.tensor_names import expected_shapes
 
     ALLOWED = (ValueError, TypeError, RuntimeError)
     scale = float(os.environ.get("PYGGML_DKV_FUZZ_SCALE", "1"))

@@ -29,3 +29,8 @@ def check_choice(name: str, value: Any, choices: Collection[Any]) -> Any:
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
     return value
+
+
+def is_real(value: object) -> bool:
+    """A Python or numpy int or float, and not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..common.checks import is_int, is_real
 from ..model.backend_weights import BackendWeights
 from .cache import DraftKvCache
 from .features import FeatureRing
@@ -140,14 +141,13 @@ class Drafter:
         """
         if self.committed <= 0:
             raise ValueError("propose() needs the features of at least one committed token (add_features first)")
-        if isinstance(last_token, bool) or not isinstance(last_token, (int, np.integer)) or not 0 <= last_token < self.vocab:
+        if not is_int(last_token) or not 0 <= last_token < self.vocab:
             raise ValueError(f"last_token must be a token id in [0, {self.vocab}), got {last_token!r}")
-        real = (int, float, np.integer, np.floating)
-        if isinstance(temperature, bool) or not isinstance(temperature, real) or not np.isfinite(temperature) or temperature < 0:
+        if not is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if isinstance(top_p, bool) or not isinstance(top_p, real) or not 0 < top_p <= 1.0:
+        if not is_real(top_p) or not 0 < top_p <= 1.0:
             raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
-        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        if not is_int(top_k) or top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
         self._tokens[0] = last_token
         if temperature == 0:

@@ -1,4 +1,4 @@
-"""FeatureRing: the host's ring of captured target features, one row per committed token (SPEC.md §4)."""
+"""FeatureRing: the host's ring of captured target features, one row per committed token (docs/design.md, "Positions and the ring")."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections import deque
 
 import numpy as np
 
+from ..common.checks import is_int
 from ..common.bf16 import from_bf16_bits, to_bf16_bits
 
 RING_DTYPES = ("f32", "f16", "bf16")
@@ -21,7 +22,7 @@ class FeatureRing:
 
     def __init__(self, cap: int, fc_in: int, dtype: str = "f32") -> None:
         for name, value in (("cap", cap), ("fc_in", fc_in)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"FeatureRing {name} must be a positive int, got {value!r}")
         if dtype not in RING_DTYPES:
             raise ValueError(f"FeatureRing dtype must be one of {RING_DTYPES}, got {dtype!r}")
@@ -82,7 +83,7 @@ class FeatureRing:
 
     def write(self, pos: int, rows: object) -> None:
         """Write rows at absolute positions pos.. ; pos <= written (a pos below truncates the ring there)."""
-        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)):
+        if not is_int(pos):
             raise TypeError(f"pos must be an int, got {type(pos).__name__}")
         pos = int(pos)
         if pos < 0 or pos > self.written:
@@ -110,7 +111,7 @@ class FeatureRing:
 
     def truncate(self, pos: int) -> None:
         """Forget positions >= pos (after verification rejected them)."""
-        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)):
+        if not is_int(pos):
             raise TypeError(f"pos must be an int, got {type(pos).__name__}")
         if not self.oldest <= pos <= self.written:
             raise ValueError(f"cannot truncate to {pos}: readable positions are [{self.oldest}, {self.written})")
@@ -128,7 +129,7 @@ class FeatureRing:
     def read(self, start: int, n: int) -> np.ndarray:
         """Positions [start, start+n) as float32 (n, fc_in); refuses overwritten or unwritten ones."""
         for name, value in (("start", start), ("n", n)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            if not is_int(value):
                 raise TypeError(f"read {name} must be an int, got {value!r}")
         if n < 0 or start < 0:
             raise ValueError(f"bad read range start={start}, n={n}")

@@ -1,4 +1,5 @@
-"""Graph builders for the drafter (SPEC.md §1), shared by the ring cache and the one-shot graph.
+"""Graph builders for the drafter's math (docs/design.md, "The drafter"), shared by the ring
+cache and the one-shot graph: one statement of each layer, and of the noise-block forward.
 
 Every function takes the graph Context `g`, appends ops, and returns the resulting Tensor(s).
 Shapes are ggml order: a token's vector is ne0, tokens are ne1.
@@ -7,6 +8,7 @@ Shapes are ggml order: a token's vector is ne0, tokens are ne1.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..model.backend_weights import BackendWeights
@@ -79,7 +81,7 @@ def fold_gqa(cfg: DraftConfig, backend_is_cpu: bool) -> bool:
 
     ggml's CPU flash attention runs a tiled GEMM kernel only for >= 64 query rows per head, and
     otherwise a per-row dot-product loop that rereads every key for every query row and head
-    (~20x slower over a long window). With q_len 16 and 4 query heads per K/V head, folding gives
+    (docs/design.md, "GQA folding"). With q_len 16 and 4 query heads per K/V head, folding gives
     64 rows per K/V head: the keys are read once per K/V head and scored with a GEMM.
     """
     return backend_is_cpu and group_size(cfg) > 1
@@ -91,8 +93,8 @@ def attend(g: Context, w: BackendWeights, layer: int, q: Tensor, k_all: Tensor, 
 
     With `fold`, the query heads sharing a K/V head become rows r = j + q_len*g of that head (g =
     the head's index within its group), and `mask` must have those rows: row j + q_len*g = query
-    j's mask. The caller uploads it so (a ggml concat repeating a q_len-row mask cost ~0.3 ms
-    per mask and step on the CPU). `bf16_products`: the CPU kernel's products take bf16 inputs
+    j's mask. The caller uploads it so (repeating a q_len-row mask
+    in-graph with a concat cost more than uploading the folded rows). `bf16_products`: the CPU kernel's products take bf16 inputs
     on AMX tiles (ggml with vendor/patches/0009), else f32 precision throughout.
     """
     cfg = w.cfg
@@ -164,3 +166,33 @@ def append_rows(g: Context, w: BackendWeights, k_caches: list[Tensor], v_caches:
         new_k.append(g.set_rows(kc, keys(g, w, layer, fused, pos), rows))
         new_v.append(g.set_rows(vc, values(g, w, layer, fused), rows))
     return new_k, new_v
+
+
+# K/V of the noise block's `hn` rows for `layer`, joined with the context's: (k_all, v_all)
+KvOfLayer = Callable[[int, Tensor], tuple[Tensor, Tensor]]
+
+
+def embed_tokens(g: Context, cfg: DraftConfig, table: Tensor, tokens: Tensor) -> Tensor:
+    """The noise block's embeddings looked up in-graph: table [hidden, vocab] at i32 ids [q_len]."""
+    h = g.get_rows(table, tokens)
+    return g.scale(h, cfg.input_embedding_scale) if cfg.input_embedding_scale != 1.0 else h
+
+
+def noise_forward(g: Context, w: BackendWeights, h: Tensor, pos_q: Tensor, kv_of_layer: KvOfLayer,
+                  masks: dict[bool, Tensor | None], layer_swa: list[bool], fold: bool,
+                  bf16_products: bool, lm_head: Tensor | None) -> Head:
+    """The drafter's forward of the noise block h [hidden, q_len] at positions pos_q.
+
+    `kv_of_layer(layer, hn)` projects the block's own K/V and returns them joined with the
+    context's (the cache writes them into its ring; the one-shot graph concatenates);
+    `masks[sliding]` is that layer type's mask (see drafter.masks).
+    """
+    cfg = w.cfg
+    for layer in range(cfg.n_layer):
+        hn = norm(g, h, w.layer(layer, "input_layernorm.weight"), cfg.rms_eps)
+        q = queries(g, w, layer, hn, pos_q)
+        k_all, v_all = kv_of_layer(layer, hn)
+        mask = masks[layer_swa[layer]]
+        h = g.add(h, attend(g, w, layer, q, k_all, v_all, mask, fold, bf16_products=bf16_products))
+        h = feed_forward(g, w, layer, h)
+    return output_head(g, w, h, lm_head)

@@ -6,6 +6,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ..common.checks import is_int
 from . import rpc
 from ._lowlevel import ffi, lib
 from .capabilities import built_backends, cuda_device_count, default_n_threads
@@ -106,7 +107,7 @@ class Backend(Owned):
 
     @staticmethod
     def _check_n_threads(n_threads: object) -> None:
-        if isinstance(n_threads, bool) or not isinstance(n_threads, int) or not 1 <= n_threads <= 512:
+        if not is_int(n_threads) or not 1 <= n_threads <= 512:
             raise ValueError(f"n_threads must be an int in [1, 512], got {n_threads!r}")
 
     @staticmethod

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ..common.checks import is_int
 from ._lowlevel import ffi, lib
 from .errors import GGMLError
 from .ops import OpsMixin
@@ -39,7 +40,7 @@ class Context(OpsMixin, Owned):
             if graph_size:
                 mem_size += lib.ggml_graph_overhead_custom(graph_size, False)
             mem_size = max(mem_size, 1024)
-        if isinstance(mem_size, bool) or not isinstance(mem_size, int) or mem_size <= 0:
+        if not is_int(mem_size) or mem_size <= 0:
             raise ValueError(f"mem_size must be a positive int, got {mem_size!r}")
         self._arena = None
         mem_buffer = ffi.NULL
@@ -95,7 +96,7 @@ class Context(OpsMixin, Owned):
             raise ValueError(f"a tensor has 1 to {MAX_DIMS} dims, got {len(ne)}")
         dims = []
         for d in ne:
-            if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d <= 0:
+            if not is_int(d) or d <= 0:
                 raise ValueError(f"tensor dims must be positive ints, got {ne}")
             dims.append(int(d))
         if dims[0] % lib.ggml_blck_size(t):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from ..common.checks import is_int
 from . import liveness
 from ._lowlevel import ffi, lib
 from .backend import Backend
@@ -17,7 +18,7 @@ class Graph:
     """A computation graph built in a Context (which must have room for it: graph_size=...)."""
 
     def __init__(self, ctx: Context, size: int = 2048) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        if not is_int(size) or size <= 0:
             raise ValueError(f"graph size must be a positive int, got {size!r}")
         need = lib.ggml_graph_overhead_custom(size, False)
         if ctx.used_mem + need > ctx.mem_size:

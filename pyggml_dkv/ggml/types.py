@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..common.checks import is_int
 from ._lowlevel import ffi, lib
 from .errors import GGMLError
 
@@ -28,7 +29,7 @@ INT_DTYPES = {"i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64}
 
 def ggml_type(name: str | int) -> int:
     """The ggml enum value of a type name like "f16" (or pass an enum value through)."""
-    if isinstance(name, (int, np.integer)) and not isinstance(name, bool):
+    if is_int(name):
         if int(name) not in TYPE_NAMES:
             raise ValueError(f"unsupported ggml type id {name}; supported: {sorted(TYPES)}")
         return int(name)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .config import DraftConfig
 from ..ggml import Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, ggml_type, lib
-from .weights import DraftWeights, is_norm
+from .tensor_names import is_norm
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .weights import DraftWeights
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +32,14 @@ class BackendWeights:
     they came from. Close it (or use `with`) to free the buffers.
 
     With `repack` (default) and q8_0 weights on a CPU with AMX, the matrices go to ggml's AMX
-    buffer, which lays them out for its int8 tile kernels as they are uploaded (about 3x faster
-    matrix products than the generic q8_0 path). Those tensors cannot be read back
+    buffer, which lays them out for its int8 tile kernels as they are uploaded (much faster
+    matrix products than the generic q8_0 path: benchmarks/README.md). Those tensors cannot be read back
     (`Tensor.numpy()` raises); `host` still has the values.
     """
 
-    def __init__(self, weights: DraftWeights, backend: Backend, dtype: str = "f16", repack: bool = True) -> None:
-        if not isinstance(weights, DraftWeights):
+    def __init__(self, weights: "DraftWeights", backend: Backend, dtype: str = "f16", repack: bool = True) -> None:
+        # what is needed of DraftWeights (checked by duck type: weights.py imports this module)
+        if not isinstance(weights, Mapping) or not isinstance(getattr(weights, "cfg", None), DraftConfig):
             raise TypeError(f"expected DraftWeights, got {type(weights).__name__}")
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")

@@ -1,4 +1,4 @@
-"""DraftConfig: the shape and hyper-parameters of a DFlash drafter (SPEC.md §1, §5)."""
+"""DraftConfig: the shape and hyper-parameters of a DFlash drafter (docs/design.md, "The drafter", "Checkpoints")."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..common.checks import is_int
+from .errors import ConfigError
+
 LAYER_TYPES = ("full", "sliding")
-
-
-class ConfigError(ValueError):
-    """A DraftConfig (or a checkpoint's config.json) describes a drafter we cannot run."""
 
 
 @dataclass
@@ -45,7 +44,7 @@ class DraftConfig:
     target_layer_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if isinstance(self.n_layer, bool) or not isinstance(self.n_layer, int) or self.n_layer <= 0:
+        if not is_int(self.n_layer) or self.n_layer <= 0:
             raise ConfigError(f"DraftConfig.n_layer must be a positive int, got {self.n_layer!r}")
         if not isinstance(self.layer_types, (list, tuple)):
             raise ConfigError(f"layer_types must be a list of {LAYER_TYPES}, got {self.layer_types!r}")
@@ -75,7 +74,7 @@ class DraftConfig:
     def validate(self) -> None:
         def positive_int(name: str) -> None:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"DraftConfig.{name} must be a positive int, got {value!r}")
 
         for name in ("hidden", "n_layer", "n_head", "n_head_kv", "head_dim", "ffn", "block_size", "n_target_layers"):
@@ -107,7 +106,7 @@ class DraftConfig:
             raise ConfigError("sliding layers need swa_window > 0")
         if not isinstance(self.n_ctx_orig, int) or self.n_ctx_orig < 0:
             raise ConfigError(f"n_ctx_orig must be an int >= 0, got {self.n_ctx_orig!r}")
-        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int):
+        if not is_int(self.mask_token_id):
             raise ConfigError(f"mask_token_id must be an int, got {self.mask_token_id!r}")
         if not isinstance(self.target_layer_ids, (list, tuple)):
             raise ConfigError(f"target_layer_ids must be a list of ints, got {self.target_layer_ids!r}")

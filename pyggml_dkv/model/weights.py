@@ -1,4 +1,4 @@
-"""DraftWeights: the drafter's parameters as host numpy arrays, named as in the checkpoint (SPEC.md §5).
+"""DraftWeights: the drafter's parameters as host numpy arrays, named as in the checkpoint (docs/design.md, "Checkpoints").
 
 Matrices keep PyTorch's `(out, in)` layout, which is exactly ggml's `[in, out]`: no transpose
 anywhere. Everything is float32 on the host; the backend copy picks its own storage type.
@@ -13,60 +13,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .config import DraftConfig
+from .checkpoint import read_checkpoint, write_checkpoint
+from .errors import CheckpointError, WeightsError
+from .tensor_names import expected_shapes, is_norm
 
 if TYPE_CHECKING:  # pragma: no cover
     from .backend_weights import BackendWeights
     from ..ggml import Backend
-
-# per-layer tensor name suffixes, in checkpoint order
-LAYER_MATRICES = (
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
-LAYER_NORMS = (
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-)
-
-
-class WeightsError(ValueError):
-    """Weights that do not fit their DraftConfig (missing, unexpected, wrong shape, not finite)."""
-
-
-def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a drafter of this config has, with its numpy `(out, in)` shape."""
-    h, hd = cfg.hidden, cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "fc.weight": (h, cfg.fc_in),
-        "hidden_norm.weight": (h,),
-        "norm.weight": (h,),
-    }
-    for i in range(cfg.n_layer):
-        p = f"layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (cfg.n_head * hd, h)
-        shapes[p + "self_attn.k_proj.weight"] = (cfg.n_head_kv * hd, h)
-        shapes[p + "self_attn.v_proj.weight"] = (cfg.n_head_kv * hd, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.n_head * hd)
-        shapes[p + "self_attn.q_norm.weight"] = (hd,)
-        shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        shapes[p + "mlp.gate_proj.weight"] = (cfg.ffn, h)
-        shapes[p + "mlp.up_proj.weight"] = (cfg.ffn, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, cfg.ffn)
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-    return shapes
-
-
-def is_norm(name: str) -> bool:
-    return name.endswith("norm.weight")
-
 
 class DraftWeights(Mapping[str, np.ndarray]):
     """Host parameters of one drafter. A read-only mapping `name -> float32 array`."""
@@ -126,18 +79,36 @@ class DraftWeights(Mapping[str, np.ndarray]):
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "DraftWeights":
         """Load a DFlash drafter checkpoint directory (config.json + safetensors)."""
-        from .checkpoint import load_checkpoint
-
         return load_checkpoint(path)
 
     def save_pretrained(self, path: str | Path, dtype: str = "float32") -> None:
         """Write config.json + model.safetensors in the `dflash` package's format."""
-        from .checkpoint import save_checkpoint
-
         save_checkpoint(self, path, dtype=dtype)
 
     def to_backend(self, backend: "Backend", dtype: str = "f16", repack: bool = True) -> "BackendWeights":
         """Upload once to the backend. Matrices in `dtype`, norms stay f32 (see BackendWeights for `repack`)."""
+        # imported here, not at the top: the model layer must import without the compiled ggml
+        # extension (the numpy reference needs only configs and weights)
         from .backend_weights import BackendWeights
 
         return BackendWeights(self, backend, dtype, repack)
+
+
+def load_checkpoint(path: str | Path) -> DraftWeights:
+    """Load a DFlash drafter checkpoint directory (config.json + model.safetensors or a sharded index)."""
+    cfg, tensors, source = read_checkpoint(path)
+    try:  # missing tensors, shapes and values are DraftWeights' own checks
+        return DraftWeights(cfg, tensors)
+    except WeightsError as e:
+        raise CheckpointError(f"{source}: {e}") from e
+
+
+def save_checkpoint(weights: DraftWeights, path: str | Path, dtype: str = "float32") -> None:
+    """Write `weights` as config.json + model.safetensors (dtype float32 / bfloat16 / float16).
+
+    bfloat16 rounds to nearest even; values that overflow the chosen dtype are refused. Existing
+    files of the same names are replaced (each atomically).
+    """
+    if not isinstance(weights, DraftWeights):
+        raise CheckpointError(f"save_checkpoint needs DraftWeights, got {type(weights).__name__}")
+    write_checkpoint(weights.cfg, weights, path, dtype)

@@ -1,11 +1,12 @@
-"""A pure-numpy reference of one DFlash draft step (SPEC.md §1) over an explicit context window.
+"""A pure-numpy reference of one DFlash draft step (docs/design.md, "The drafter") over an explicit
+context window.
 
 This module is the readable statement of the math: no ggml, no cache, no tricks. Every tensor is
-a numpy array in row-major "one row per token" layout, i.e. the transpose of SPEC.md's ggml
+a numpy array in row-major "one row per token" layout, i.e. the transpose of ggml's
 `[ne0, ne1]` notation:
 
     features      (ctx_len, fc_in)           target_hidden_cat, one row per context token
-    fused         (ctx_len, hidden)          step 1 of SPEC §1
+    fused         (ctx_len, hidden)          step 1 (fuse)
     noise_embed   (q_len, hidden)            the draft block's token embeddings
     Q             (q_len, n_head, head_dim)
     K, V          (rows, n_head_kv, head_dim)
@@ -16,7 +17,7 @@ differences matter for RoPE); noise row j sits at `committed + j`.
 
 Sliding-window flavours (`swa=`), for layers whose type is "sliding":
 
-* ``"seed"`` (default, SPEC §3 step 6): the context window is anchored at `committed` and is the
+* ``"seed"`` (default, the C++ seed's rule): the context window is anchored at `committed` and is the
   same for every query row: context key at position p is visible iff
   ``committed - eff <= p < committed`` with ``eff = swa_window if 0 < swa_window < win else win``
   (``win`` = number of context rows given). Noise keys are causal (query j sees noise 0..j).
@@ -42,6 +43,7 @@ from typing import Literal
 
 import numpy as np
 
+from ..common.checks import is_int
 from ..model.config import LAYER_TYPES, DraftConfig
 from ..model.weights import DraftWeights
 
@@ -75,7 +77,7 @@ __all__ = [
 
 
 def _int(name: str, value: object, minimum: int | None = None) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise ValueError(f"{name} must be an int, got {value!r}")
     value = int(value)
     if minimum is not None and value < minimum:
@@ -240,7 +242,7 @@ def rope_neox(x: np.ndarray, pos: np.ndarray, cfg: DraftConfig) -> np.ndarray:
 
 
 def fuse_features(w: DraftWeights, feats: np.ndarray) -> np.ndarray:
-    """SPEC §1 step 1: `RMSNorm(feats @ fc.T) * hidden_norm` -> (ctx_len, hidden)."""
+    """Step 1 (fuse): `RMSNorm(feats @ fc.T) * hidden_norm` -> (ctx_len, hidden)."""
     cfg = w.cfg
     feats = np.asarray(feats)
     if feats.ndim != 2 or feats.shape[1] != cfg.fc_in:
@@ -416,7 +418,7 @@ def draft_forward(
     lm_head: np.ndarray | None = None,
     dtype: np.dtype | type = np.float64,
 ) -> np.ndarray:
-    """One draft step (SPEC §1) over an explicit context window.
+    """One draft step over an explicit context window.
 
     feats: (ctx_len, fc_in) target features of the window rows; ctx_positions: (ctx_len,) their
     positions, distinct and in [0, committed); noise_embed: (q_len, hidden); noise row j sits at

@@ -1,0 +1,60 @@
+"""What the ring cache and the one-shot graph take alike: constructor checks and the target's
+(vocab, hidden) matrices (lm_head, token embedding), given as arrays or uploaded Tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..common.checks import check_choice, check_int
+from ..ggml import Backend, Buffer, GGMLError, Tensor, bf16_attention_supported
+from ..ggml.capabilities import BF16_ATTENTION_PATCH
+from ..model.backend_weights import BackendWeights, upload_matrix
+from .masks import SWA_MODES
+
+CACHE_TYPES = ("f16", "f32")
+ATTENTION_PRECISIONS = ("f32", "bf16")
+MAX_CAP = 1 << 22
+
+
+def check_drafter_args(weights: Any, backend: Any, cap: Any, cache_type: str, swa: str, attention: str) -> int:
+    """Validate the shared constructor arguments; returns cap as an int."""
+    if not isinstance(weights, BackendWeights):
+        raise TypeError("weights must be BackendWeights (DraftWeights.to_backend(backend, dtype))")
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a pyggml_dkv Backend, got {type(backend).__name__}")
+    backend._check_open()
+    if weights.closed:
+        raise GGMLError("the BackendWeights were closed")
+    if weights.backend is not backend and not (weights.backend.is_cpu and backend.is_cpu):
+        raise ValueError(f"weights live on {weights.backend.spec}, but the drafter was asked to run on {backend.spec}")
+    cap = check_int("cap", cap, 1, MAX_CAP)
+    check_choice("cache_type", cache_type, CACHE_TYPES)
+    check_choice("swa", swa, SWA_MODES)
+    check_choice("attention", attention, ATTENTION_PRECISIONS)
+    if attention == "bf16" and not bf16_attention_supported():
+        raise ValueError(f"attention='bf16' needs ggml built with vendor/patches/{BF16_ATTENTION_PATCH} "
+                         "(a GGML_SRC build lacks it)")
+    return cap
+
+
+def vocab_matrix(matrix: Any, name: str, weights: BackendWeights, backend: Backend) -> tuple[Tensor | None, Buffer | None]:
+    """A (vocab, hidden) target matrix on the backend: (tensor, the buffer we uploaded it into or None).
+
+    The lm_head is only ever the matrix of a product, so with q8_0 weights it may be repacked for
+    AMX; the token embedding is read with get_rows and never is.
+    """
+    if matrix is None:
+        return None, None
+    cfg = weights.cfg
+    if isinstance(matrix, Tensor):
+        if matrix.ne[0] != cfg.hidden or matrix.ne[2:] != (1, 1):
+            raise ValueError(f"{name} tensor must be [hidden={cfg.hidden}, vocab], got ne={matrix.ne}")
+        return matrix, None
+    arr = np.asarray(matrix)
+    if arr.ndim != 2 or arr.shape[1] != cfg.hidden:
+        raise ValueError(f"{name} must be a (vocab, hidden={cfg.hidden}) array, got shape {arr.shape}")
+    if cfg.vocab is not None and arr.shape[0] != cfg.vocab:
+        raise ValueError(f"{name} has {arr.shape[0]} rows, the config says vocab={cfg.vocab}")
+    return upload_matrix(backend, arr, weights.dtype, name, matmul_only=name == "lm_head" and weights.repack)

@@ -1,0 +1,136 @@
+"""The ring cache's device side: its memory (K/V rings + persistent inputs in one buffer) and
+its once-built step graph (fold-in append, then the noise-block forward). docs/design.md, "The
+step graph".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ggml import Backend, Buffer, Context, Gallocr, Graph, Tensor
+from ..model.backend_weights import BackendWeights
+from . import layers as L
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes of the cache (docs/design.md, "Geometry")."""
+
+    cap: int  # ring slots per layer: the longest context window
+    q_len: int  # the noise block: one draft block
+    a_step: int  # rows the step graph can fold in: 2 * q_len + 2
+    trash_slot: int  # where fold-in padding rows are written: cap + q_len
+    kv_total: int  # K/V rows per layer: cap ring slots, q_len noise rows, trash, padded to 32
+    mask_rows: int  # rows of each mask: q_len, times the query heads per K/V head when folded
+
+    @classmethod
+    def of(cls, cap: int, q_len: int, groups: int) -> "Geometry":
+        kv_total = (cap + q_len + 1 + 31) // 32 * 32
+        return cls(cap, q_len, 2 * q_len + 2, cap + q_len, kv_total, q_len * groups)
+
+
+class StepGraph(Graph):
+    """The once-built step graph. Computing it, by any route, tells its owner the fold-in rows
+    are written (hosts of the C-style API compute it with Backend.compute directly)."""
+
+    def __init__(self, ctx: Context, size: int, on_computed: Callable[[], None]) -> None:
+        super().__init__(ctx, size)
+        self._on_computed = on_computed
+
+    def compute(self, backend: Backend) -> None:
+        super().compute(backend)
+        self._on_computed()
+
+
+class CacheMemory:
+    """The K/V rings of every layer and every step input, in ONE zero-filled backend buffer."""
+
+    def __init__(self, weights: BackendWeights, backend: Backend, geo: Geometry, cache_type: str,
+                 any_full: bool, any_swa: bool, token_input: bool) -> None:
+        cfg = weights.cfg
+        kv_width = cfg.head_dim * cfg.n_head_kv
+        self.ctx = Context(n_tensors=2 * cfg.n_layer + 10)
+        m = self.ctx
+        self.k_cache = [m.new_tensor(cache_type, kv_width, geo.kv_total, name=f"k_cache.{i}") for i in range(cfg.n_layer)]
+        self.v_cache = [m.new_tensor(cache_type, kv_width, geo.kv_total, name=f"v_cache.{i}") for i in range(cfg.n_layer)]
+        # the noise block enters as embeddings the host fills, or as token ids looked up in-graph
+        self.inp_tokens = m.new_tensor("i32", geo.q_len, name="inp_tokens") if token_input else None
+        self.inp_embed = None if token_input else m.new_tensor("f32", cfg.hidden, geo.q_len, name="inp_embed")
+        self.pos_q = m.new_tensor("i32", geo.q_len, name="pos_q")
+        self.noise_rows = m.new_tensor("i32", geo.q_len, name="noise_rows")
+        self.mask_full = m.new_tensor("f16", geo.kv_total, geo.mask_rows, name="mask_full") if any_full else None
+        self.mask_swa = m.new_tensor("f16", geo.kv_total, geo.mask_rows, name="mask_swa") if any_swa else None
+        self.ap_feat = m.new_tensor("f32", cfg.fc_in, geo.a_step, name="ap_feat")
+        self.ap_pos = m.new_tensor("i32", geo.a_step, name="ap_pos")
+        self.ap_rows = m.new_tensor("i32", geo.a_step, name="ap_rows")
+        for t in self.inputs():
+            t.set_input()
+        self.buf = Buffer.alloc_ctx_tensors(m, backend)
+        self.buf.clear(0)
+        self.noise_rows.set(np.arange(geo.cap, geo.cap + geo.q_len, dtype=np.int32))
+        self.ap_rows.set(np.full(geo.a_step, geo.trash_slot, dtype=np.int32))
+
+    def inputs(self) -> list[Tensor]:
+        return [t for t in (self.inp_embed, self.inp_tokens, self.pos_q, self.noise_rows, self.ap_feat,
+                            self.ap_pos, self.ap_rows, self.mask_full, self.mask_swa) if t is not None]
+
+    def close(self) -> None:
+        self.buf.close()
+        self.ctx.close()
+
+
+@dataclass
+class BuiltStepGraph:
+    ctx: Context
+    graph: StepGraph
+    galloc: Gallocr
+    hidden_states: Tensor
+    logits: Tensor | None
+    draft_ids: Tensor | None
+
+    def close(self) -> None:
+        self.galloc.close()
+        self.ctx.close()
+
+
+def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory, layer_swa: list[bool],
+                     fold: bool, bf16_products: bool, lm_head: Tensor | None, embed_table: Tensor | None,
+                     on_computed: Callable[[], None]) -> BuiltStepGraph:
+    """Build and allocate the step graph once; every step recomputes it as it is."""
+    cfg = weights.cfg
+    size = L.graph_size_for(cfg)
+    g = Context(n_tensors=size, graph_size=size)
+    try:
+        gf = StepGraph(g, size, on_computed)
+        # (a) fold-in append, expanded first: every later read goes through its results
+        k_caches, v_caches = L.append_rows(g, weights, mem.k_cache, mem.v_cache, mem.ap_feat, mem.ap_pos, mem.ap_rows)
+        for t in (*k_caches, *v_caches):
+            gf.expand(t)
+
+        # (b) noise forward: the block's own K/V go to its ring rows, attention spans all kv_total rows
+        def kv_of_layer(layer: int, hn: Tensor) -> tuple[Tensor, Tensor]:
+            k_all = gf.expand(g.set_rows(k_caches[layer], L.keys(g, weights, layer, hn, mem.pos_q), mem.noise_rows))
+            v_all = gf.expand(g.set_rows(v_caches[layer], L.values(g, weights, layer, hn), mem.noise_rows))
+            return k_all, v_all
+
+        h = L.embed_tokens(g, cfg, embed_table, mem.inp_tokens) if mem.inp_tokens is not None else mem.inp_embed
+        head = L.noise_forward(g, weights, h, mem.pos_q, kv_of_layer, {False: mem.mask_full, True: mem.mask_swa},
+                               layer_swa, fold, bf16_products, lm_head)
+
+        # (c) outputs
+        hidden = gf.expand(head.hidden)
+        logits = gf.expand(head.logits) if head.logits is not None else None
+        draft_ids = None
+        if logits is not None:
+            draft_ids = gf.expand(g.argmax(logits))
+            draft_ids.name = "draft_ids"
+            draft_ids.set_output()
+        galloc = Gallocr(backend)
+        galloc.alloc_graph(gf)
+    except BaseException:
+        g.close()
+        raise
+    return BuiltStepGraph(g, gf, galloc, hidden, logits, draft_ids)

@@ -1,0 +1,159 @@
+"""The package's layers, enforced: imports point one way only, and nothing imports in a circle.
+
+Layers, bottom up (docs/design.md, "Layers"): `common` < `ggml` < `model` < `reference`,
+`drafter` < `hosts`, `serving`. Every import counts, at module level or deferred inside a
+function; only `if TYPE_CHECKING:` blocks (never run) are left out. The package's `__init__`
+is the facade that re-exports the public API lazily and may name any layer.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pyggml_dkv"
+
+# layer -> the layers its modules may import (besides their own)
+ALLOWED: dict[str, set[str]] = {
+    "common": set(),
+    "_cffi": set(),  # the build script of the extension: cffi only
+    "ggml": {"common", "_ggml_cffi"},
+    "model": {"common", "ggml"},
+    "reference": {"common", "model"},
+    "drafter": {"common", "ggml", "model"},
+    "hosts": {"common", "ggml", "model", "drafter", "reference"},
+    "serving": {"common", "ggml", "model", "drafter"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute names of the pyggml_dkv modules `path` imports, anywhere in its body."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if is_type_checking_block(node):
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("pyggml_dkv"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("pyggml_dkv"):
+                # `from . import layers` names a module; `from .x import y` names module x
+                candidates = [f"{target}.{a.name}" for a in node.names]
+                found.update(c if (PACKAGE.parent / (c.replace(".", "/") + ".py")).exists()
+                             or (PACKAGE.parent / c.replace(".", "/")).is_dir() else target for c in candidates)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None  # None: the package facade
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(p): imported_modules(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_module_belongs_to_a_layer():
+    graph = import_graph()
+    stray = sorted(m for m in graph if layer_of(m) not in ALLOWED and m != "pyggml_dkv")
+    assert not stray, f"modules outside every layer: {stray}"
+
+
+def test_imports_point_down_only():
+    wrong = []
+    for module, imports in import_graph().items():
+        layer = layer_of(module)
+        if layer is None:
+            continue
+        for target in imports:
+            target_layer = layer_of(target)
+            if target_layer != layer and target_layer not in ALLOWED[layer]:
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    known = set(graph)
+
+    def resolve(target: str) -> str | None:  # `pyggml_dkv.ggml.Backend`-style names -> their module
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    edges = {m: {t for t in map(resolve, imports) if t and t != m and not m.startswith(t + ".")}
+             for m, imports in graph.items()}
+    # (a module importing its own parent package is left out: Python imports parents first anyway)
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def dfs(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                dfs(nxt, path + [nxt])
+        state[node] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            dfs(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_checker_sees_deferred_and_relative_imports(tmp_path):
+    """The checks above would pass vacuously if the parser missed imports: prove it does not."""
+    imports = imported_modules(PACKAGE / "model" / "weights.py")
+    assert "pyggml_dkv.model.backend_weights" in imports  # deferred, inside to_backend()
+    assert "pyggml_dkv.model.checkpoint" in imports  # relative, at module level
+    assert "pyggml_dkv.ggml" not in imports  # under TYPE_CHECKING only
+
+
+@pytest.mark.parametrize("layer", ["pyggml_dkv.reference", "pyggml_dkv.model"])
+def test_reference_and_model_stand_alone_without_the_ggml_extension(layer):
+    """The numpy oracle and the model files must work where the compiled ggml cannot load."""
+    code = f"""
+import sys
+sys.modules["pyggml_dkv._ggml_cffi"] = None  # importing it now raises ImportError
+import numpy as np
+import {layer}
+from pyggml_dkv import DraftConfig, DraftWeights, reference as R
+cfg = DraftConfig.toy()
+w = DraftWeights.random(cfg, seed=0)
+rng = np.random.default_rng(0)
+out = R.reference_step(w, rng.standard_normal((40, cfg.fc_in)), 40, 32, rng.standard_normal((cfg.block_size, cfg.hidden)))
+assert out.shape == (cfg.block_size, cfg.hidden) and np.isfinite(out).all()
+assert "pyggml_dkv.ggml" not in sys.modules
+try:
+    import pyggml_dkv.ggml
+except ImportError:
+    print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
