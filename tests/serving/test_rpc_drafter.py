@@ -113,3 +113,25 @@ def test_a_new_server_and_backend_after_a_failure_work(server, free_port):
         assert np.isfinite(step2()).all()
         cache2.close()
         bw2.close()
+
+
+@pytest.mark.parametrize("signal_name", ["kill", "suspend"])
+def test_server_failing_while_steps_are_in_flight(server, signal_name):
+    """The server dies or freezes at a random point of a step (upload, compute or download)."""
+    import threading
+
+    backend = Backend(server.spec, timeout_s=1.5)
+    bw, cache, step = start_cache(backend, 1)
+    failed_at = []
+    timer = threading.Timer(0.05, lambda: (failed_at.append(time.monotonic()), getattr(server, signal_name)()))
+    timer.start()
+    with pytest.raises(RemoteBackendError):
+        for _ in range(10_000):
+            step()
+    raised_at = time.monotonic()
+    timer.join()
+    assert failed_at and raised_at - failed_at[0] < 5
+    server.resume()
+    cache.close()
+    bw.close()
+    backend.close()
