@@ -67,7 +67,9 @@ class Run:
             ids = np.full(self.cfg.block_size, 1, dtype=np.int32)
             ids[0] = committed % 997
             return self.cache.step_tokens(ring, committed, ids, output="hidden")
-        return self.cache.step(ring, committed, noise)
+        block = noise.copy()  # the bonus token's embedding changes every step, the mask token's rows do not
+        block[0] = np.random.default_rng(committed).standard_normal(self.cfg.hidden)
+        return self.cache.step(ring, committed, block)
 
     def steps(self, commits: list[int], noise: np.ndarray, on_step=None) -> tuple[list[float], list[np.ndarray]]:  # noqa: ANN001
         ring = FeatureRing(CAP + 64, self.cfg.fc_in)

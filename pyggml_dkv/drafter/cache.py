@@ -76,8 +76,10 @@ class DraftKvCache:
         self.k_cache, self.v_cache, self.mem_ctx, self.mem_buf = mem.k_cache, mem.v_cache, mem.ctx, mem.buf
         self.inp_embed, self.inp_tokens, self.pos_q, self.noise_rows = mem.inp_embed, mem.inp_tokens, mem.pos_q, mem.noise_rows
         self.mask_full, self.mask_swa = mem.mask_full, mem.mask_swa
-        # a step changes a few key columns of each mask: over RPC only those bytes travel
+        # a step changes a few key columns of each mask, and of the noise block typically only the
+        # first row (the mask token's embedding repeats): over RPC only those bytes travel
         self._mask_uploads = {id(t): DeltaUpload.for_tensor(t) for t in (self.mask_full, self.mask_swa) if t is not None}
+        self._embed_upload = DeltaUpload.for_tensor(self.inp_embed) if self.inp_embed is not None else None
         self.ap_feat, self.ap_pos, self.ap_rows = mem.ap_feat, mem.ap_pos, mem.ap_rows
         self.g_ctx, self.gf, self.galloc = built.ctx, built.graph, built.galloc
         self.hidden_states, self.logits, self.draft_ids = built.hidden_states, built.logits, built.draft_ids
@@ -272,7 +274,7 @@ class DraftKvCache:
             if not np.isfinite(emb).all():
                 raise ValueError("noise_embed contains NaN or inf")
             self.begin_step(ring, committed)
-            self.inp_embed.set(emb)
+            self._embed_upload.upload(emb)  # type: ignore[union-attr]
             self.compute()
             out = self.logits if self.logits is not None else self.hidden_states
             return out.numpy()

@@ -91,6 +91,7 @@ class Buffer(Owned):
         return bool(lib.ggml_backend_buffer_is_host(self.handle))
 
     def clear(self, value: int = 0) -> None:
+        liveness.forget_deltas_in_buffer(liveness.addr(self.handle))
         lib.ggml_backend_buffer_clear(self.handle, value & 0xFF)
         if hasattr(lib, "ggml_backend_rpc_buffer_failed") and lib.ggml_backend_rpc_buffer_failed(self.handle):
             raise RemoteBackendError(f"buffer {self.name!r}: the connection to its RPC server failed; re-create the "

@@ -6,6 +6,10 @@ key columns appear or expire per step. The first upload sends everything; later 
 new bytes with the last uploaded ones (64-bit words) and send each changed run with
 ggml_backend_tensor_set at its offset (runs closer than `merge_gap` bytes are sent as one).
 
+Writes through the binding (Tensor.set / set_bytes / fill) that overlap the tensor, and clears of
+its buffer, make the DeltaUpload forget what the device holds; its next upload is whole. Writes
+that bypass the binding (`lib` calls, graph outputs) must be followed by `invalidate()`.
+
 Worth it where a transfer's cost is its bytes: an RPC backend over a network. In host memory one
 whole copy is cheaper than many small ones, so `DeltaUpload.for_tensor` turns it on only for
 tensors in RPC buffers (or when asked).
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import liveness
 from ._lowlevel import ffi, lib
 from .tensor import Tensor, _on_rpc, check_rpc_transfer
 
@@ -33,11 +38,16 @@ class DeltaUpload:
         self._last: np.ndarray | None = None  # the bytes the device holds, as 64-bit words if possible
         self.bytes_sent = 0  # payload bytes sent by the last upload (for tests and benchmarks)
         self.runs_sent = 0
+        tensor._check_io()
+        start = liveness.addr(tensor.ptr.data)
+        self.span = (start, start + tensor.nbytes)
+        self.buffer_addr = liveness.addr(tensor.ptr.buffer)
+        if enabled:
+            liveness.delta_uploads.add(self)
 
     @classmethod
     def for_tensor(cls, tensor: Tensor) -> "DeltaUpload":
         """Enabled for a tensor in an RPC buffer, a plain whole upload elsewhere."""
-        tensor._check_io()
         return cls(tensor, enabled=_on_rpc(tensor.ptr))
 
     def invalidate(self) -> None:
@@ -56,7 +66,7 @@ class DeltaUpload:
         words = raw.view(np.uint64) if raw.nbytes % 8 == 0 else raw
         last, self._last = self._last, None  # unknown device state until this upload went through
         if last is None or last.shape != words.shape:
-            t.set_bytes(raw)
+            t.set_bytes(raw)  # (forgets nothing it still needs: _last is set after)
             self._last = words.copy()
             self.bytes_sent, self.runs_sent = raw.nbytes, 1
             return

@@ -191,6 +191,7 @@ class Tensor:
         data = self._to_bytes(array)
         if data.nbytes != self.nbytes:  # pragma: no cover - guarded by the shape check
             raise GGMLError(f"size mismatch writing {self.name!r}: {data.nbytes} != {self.nbytes}")
+        self._forget_deltas(0, data.nbytes)
         lib.ggml_backend_tensor_set(self.ptr, ffi.from_buffer(data), 0, data.nbytes)
         check_rpc_transfer(self.ptr, self.name)
 
@@ -201,8 +202,15 @@ class Tensor:
         data = np.ascontiguousarray(data)
         if offset < 0 or offset + data.nbytes > self.nbytes:
             raise ValueError(f"write of {data.nbytes} bytes at offset {offset} exceeds tensor {self.name!r} ({self.nbytes} bytes)")
+        self._forget_deltas(offset, data.nbytes)
         lib.ggml_backend_tensor_set(self.ptr, ffi.from_buffer(data), offset, data.nbytes)
         check_rpc_transfer(self.ptr, self.name)
+
+    def _forget_deltas(self, offset: int, size: int) -> None:
+        """A DeltaUpload whose bytes this write overlaps no longer knows what the device holds."""
+        if liveness.delta_uploads:
+            start = liveness.addr(self.ptr.data) + offset
+            liveness.forget_deltas_overlapping(start, start + size)
 
     def numpy(self) -> np.ndarray:
         """Download a copy: float32 for every floating type (exact; quantized types dequantized), intN for ints."""
@@ -236,4 +244,5 @@ class Tensor:
             # ggml's RPC buffers have no memset (ggml would abort): upload the bytes instead
             self.set_bytes(np.full(self.nbytes, value & 0xFF, dtype=np.uint8))
             return
+        self._forget_deltas(0, self.nbytes)
         lib.ggml_backend_tensor_memset(self.ptr, value & 0xFF, 0, self.nbytes)

@@ -135,3 +135,25 @@ def test_server_failing_while_steps_are_in_flight(server, signal_name):
     cache.close()
     bw.close()
     backend.close()
+
+
+def test_inputs_written_directly_between_steps_are_not_lost(cpu, shared_server):
+    """The C-style API writes cache.inp_embed itself; step() must not trust its record of the device."""
+    cfg = DraftConfig.toy()
+    w = DraftWeights.random(cfg, seed=4)
+    feats = np.random.default_rng(5).standard_normal((40, cfg.fc_in)).astype(np.float32)
+    a, b = (np.random.default_rng(s).standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32) for s in (6, 7))
+
+    def run(backend):
+        ring = FeatureRing(64, cfg.fc_in)
+        ring.append(feats)
+        with w.to_backend(backend, "f32") as bw, DraftKvCache(bw, backend, 48) as c:
+            first = c.step(ring, 30, a)
+            c.inp_embed.set(b)
+            c.mask_full.fill(0)  # a mask written behind the cache's back too
+            return first, c.step(ring, 32, a)
+
+    with Backend(shared_server.spec) as remote:
+        over_rpc = run(remote)
+    local = run(cpu)
+    assert all(np.array_equal(x, y) for x, y in zip(local, over_rpc))
