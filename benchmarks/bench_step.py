@@ -1,4 +1,4 @@
-"""Step benchmark (issue #5): one draft step of the ring cache vs the one-shot graph vs PyTorch dflash.
+"""Step benchmark: one draft step of the ring cache vs the one-shot graph vs PyTorch dflash.
 
     python benchmarks/bench_step.py --quick                  # < 2 min on 2 cores: toy + small, windows 64/1024
     python benchmarks/bench_step.py --configs small          # the full small config, every window
@@ -49,7 +49,7 @@ Roofline per window and weight type: max(bytes / bandwidth, flops / matmul rate)
         + 2 * 2 * n_head * head_dim * q_len * (W + q_len) * n_layer   attention
 (the step graph really folds in a_step = 2*q_len + 2 padded rows: "flops_graph" in the JSON).
 
-Targets (issue #5) are printed with PASS/MISS:
+Speed targets are printed with PASS/MISS:
   flat          kv_f16 @4096 / @64 <= 1.8                   (small)
   vs recompute  oneshot / kv_f16 @2048 >= 10                (small)
   vs PyTorch    min(torch_fp32, torch_bf16) / min(kv_*) >= 2 at every window (small); the same with
@@ -129,7 +129,7 @@ SYSTEMS = ("kv_f16", "kv_q8", "kv_q8_attbf16", "raw", "oneshot", "torch_fp32", "
 KV_SYSTEMS = ("kv_f16", "kv_q8", "kv_q8_attbf16")
 TORCH_SYSTEMS = ("torch_fp32", "torch_bf16")
 
-# issue #5 targets
+# speed targets
 FLAT_MAX = 1.8
 RECOMPUTE_MIN = 10.0
 TORCH_MIN = 2.0
@@ -756,7 +756,7 @@ def print_report(results: list[dict], machine: dict, args: argparse.Namespace) -
                 p(f"other ops by ggml op @W={r['windows'][-1]['window']} (kv_f16): "
                   + ", ".join(f"{k}={v:.2f}" for k, v in last["other_by_op_ms"].items()))
                 p(f"per-node launch overhead ~{last['overhead_per_node_ms'] * 1e3:.0f} us x {last['n_compute_nodes']} compute nodes (subtracted)")
-        p("\ntargets (issue #5):")
+        p("\nspeed targets:")
         for t in r["targets"]:
             verdict = "-" if t["ok"] is None else ("PASS" if t["ok"] else "MISS")
             scope = "" if t["applies"] or t["detail"].endswith("(info)") else "  (info: the issue's target is for another config)"

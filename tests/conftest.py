@@ -29,6 +29,10 @@ def parity_log():
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
+    from tests.fuzzing import TRIED
+
+    if TRIED:
+        terminalreporter.write_line(f"hardening fuzz: {sum(TRIED.values())} cases tried in {len(TRIED)} groups: {TRIED}")
     if not _WORST:
         return
     terminalreporter.section("parity: worst max|a-b|/max|b|")

@@ -21,7 +21,7 @@ def to_bf16_bits(x: object) -> np.ndarray:
     f32 = np.asarray(x, dtype=np.float32)
     with warnings.catch_warnings():  # NaN inputs make numpy warn about the cast; handled below
         warnings.simplefilter("ignore", RuntimeWarning)
-        bits = f32.astype(bfloat16).view(np.uint16)
+        bits = f32.astype(bfloat16, order="C").view(np.uint16)  # C order: ggml copies raw bytes
     nan = np.isnan(f32)
     if nan.any():
         bits = np.where(nan, ((f32.view(np.uint32) >> 16) | 0x40).astype(np.uint16), bits)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..common.checks import is_int
 from . import liveness
@@ -12,6 +12,9 @@ from .backend import Backend
 from .context import Context
 from .errors import GGMLError
 from .tensor import Tensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .gallocr import Gallocr
 
 
 class Graph:
@@ -31,6 +34,7 @@ class Graph:
             raise GGMLError("ggml_new_graph_custom failed")
         self._seen: set[int] = set()
         self._deps: frozenset[tuple[int, int | None]] | None = None  # (buffer, token) pairs the allocated graph uses
+        self._allocator: "Gallocr | None" = None  # the allocator that placed the intermediates (kept alive)
 
     def _count_new(self, root: Tensor) -> int:
         """Tensors (nodes + leafs) that expanding `root` would add, so we can refuse overflow."""
@@ -155,6 +159,8 @@ class Graph:
     def compute(self, backend: Backend) -> None:
         """ggml_backend_graph_compute, releasing the GIL. Every tensor must be allocated."""
         self._check_ctxs()
+        if self._allocator is not None and self._allocator.closed:  # its intermediates were freed with it
+            raise GGMLError("the Gallocr that placed this graph's tensors was closed: allocate the graph again")
         if self._deps is None:
             self._deps = self._collect_buffers()
         if any(token is None or liveness.live_buffers.get(a) != token for a, token in self._deps):

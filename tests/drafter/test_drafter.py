@@ -13,7 +13,7 @@ from pyggml_dkv import DraftConfig, Drafter, DraftWeights
 from pyggml_dkv import reference as R
 from pyggml_dkv.drafter.drafter import sample_rows, sampling_probs
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import toy_drafter  # noqa: E402
 from toy_target import ToyTarget, ToyTargetConfig  # noqa: E402

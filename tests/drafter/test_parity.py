@@ -1,6 +1,6 @@
 """Parity on random commit/rewind trajectories: ring cache vs numpy reference vs one-shot graph.
 
-Acceptance (issue #3): max|a-b|/max|b| <= 1e-4 with f32 weights + f32 cache, <= 5e-3 with an
+Acceptance: max|a-b|/max|b| <= 1e-4 with f32 weights + f32 cache, <= 5e-3 with an
 f16 cache. The worst figures are printed in the test summary.
 """
 

@@ -56,7 +56,7 @@ def gpu():
                                   "gqa4-hd64-q16-full", "gqa4-hd128-q10-sliding"])
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
 def test_parity_on_cuda(name, cache_type, gpu, parity_log):
-    from test_parity import CONFIGS, run_trajectory
+    from tests.drafter.test_parity import CONFIGS, run_trajectory
 
     spec = CONFIGS[name]
     run_trajectory(DraftConfig(**spec["cfg"]), spec["cap"], "f32", cache_type, "seed", False, n_steps=40,

@@ -1,4 +1,4 @@
-"""Stateful test (issue #6): a host doing random things to a ring cache for a long time.
+"""Stateful test: a host doing random things to a ring cache for a long time.
 
 A hypothesis RuleBasedStateMachine plays a host: it appends target features, steps the drafter,
 rewinds after a rejected draft (ring.truncate + a smaller committed, with new features written

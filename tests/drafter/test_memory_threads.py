@@ -1,4 +1,4 @@
-"""Long-running servers (issue #6): memory stays flat, handles are freed, threads are safe.
+"""Long-running servers: memory stays flat, handles are freed, threads are safe.
 
 * steps of a toy-sized drafter (hidden 64, 2 layers, q_len 16) over a trajectory with fold-ins,
   bulk appends, rewinds, resets and ring wraps: RSS (from /proc/self/statm, after a warm-up)
@@ -19,11 +19,7 @@ PYGGML_DKV_MEMORY_CYCLES (default 1000).
 from __future__ import annotations
 
 import gc
-import json
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -31,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import pyggml_dkv.ggml as ggml_mod
 from pyggml_dkv.ggml import liveness
 from pyggml_dkv import (
     Backend, DraftConfig, DraftKvCache, DraftKvState, DraftWeights, Drafter, FeatureRing, OneShotDrafter,
@@ -40,8 +35,9 @@ from pyggml_dkv import (
 from pyggml_dkv import reference as R
 from pyggml_dkv.ggml import Buffer, Context, Gallocr, GGMLError, Graph
 from pyggml_dkv.common.numeric import relative_error
+from tests.child import run_in_child
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N_STEPS = int(os.environ.get("PYGGML_DKV_MEMORY_STEPS", "4000"))
 N_CYCLES = int(os.environ.get("PYGGML_DKV_MEMORY_CYCLES", "1000"))
 RSS_LIMIT = 2 * 2**20
@@ -198,87 +194,13 @@ def test_close_is_idempotent_everywhere():
     assert alive() == before
 
 
-def _run_child(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
-
-
-_CHILD_SETUP = """
-    import gc, sys, threading
-    import numpy as np
-    from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, Drafter, FeatureRing, OneShotDrafter
-    from pyggml_dkv.ggml import Buffer, Context, Gallocr, Graph
-    cfg = DraftConfig(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=32, ffn=96, block_size=4,
-                      n_target_layers=2, layer_types=["full", "sliding"], swa_window=6)
-    w = DraftWeights.random(cfg)
-    ring = FeatureRing(64, cfg.fc_in)
-    ring.append(np.random.default_rng(0).standard_normal((60, cfg.fc_in)).astype(np.float32))
-    noise = np.zeros((4, 64), np.float32)
-    embed = np.random.default_rng(1).standard_normal((40, 64)).astype(np.float32)
-"""
-
-
-@pytest.mark.parametrize("scenario", ["globals", "cycles", "daemon-thread", "sys-exit"])
+@pytest.mark.parametrize("scenario", ["module_globals", "cycles", "daemon_thread", "sys_exit"])
 def test_finalizers_safe_at_interpreter_exit(scenario):
     """Objects never closed: the interpreter exits with status 0 and nothing on stderr."""
-    body = {
-        # module globals, destroyed in arbitrary order at shutdown
-        "globals": """
-            be = Backend("cpu", n_threads=1)
-            bw = w.to_backend(be, "f16")
-            cache = DraftKvCache(bw, be, 19, lm_head=embed)
-            cache.step(ring, 60, noise)
-            one = OneShotDrafter(bw, be, 19)
-            one.step(ring, 60, noise)
-            drafter = Drafter(w, embed_tokens=embed, lm_head=embed, cap=19)
-            drafter.add_features(np.ones((5, cfg.fc_in), np.float32))
-            drafter.propose(3)
-            ctx = Context(n_tensors=2); t = ctx.new_tensor("f32", 8); buf = Buffer.alloc_ctx_tensors(ctx, be)
-            g = Context(n_tensors=8, graph_size=8); graph = Graph(g, 8); graph.expand(g.scale(t, 2.0))
-            galloc = Gallocr(be); galloc.alloc_graph(graph); graph.compute(be)
-            be.close()  # the backend goes first; everything else is left to the finalizers
-        """,
-        # reference cycles that only the collector (or shutdown) frees
-        "cycles": """
-            be = Backend("cpu", n_threads=1)
-            bw = w.to_backend(be, "f32")
-            class Holder: pass
-            for i in range(5):
-                h = Holder(); h.cache = DraftKvCache(bw, be, 19); h.self = h; h.cache.owner = h
-                h.cache.step(ring, 30 + i, noise)
-            del h
-            bw.close()
-        """,
-        # a daemon thread still drafting when the main thread returns
-        "daemon-thread": """
-            be = Backend("cpu", n_threads=1)
-            bw = w.to_backend(be, "f32")
-            started = threading.Event()
-            def draft_forever():
-                cache = DraftKvCache(bw, be, 19)
-                started.set()
-                while True:
-                    try:
-                        cache.step(ring, 60, noise)
-                    except Exception:  # the backend may be closed under it at exit: fine, not a crash
-                        pass
-            threading.Thread(target=draft_forever, daemon=True).start()
-            started.wait()
-        """,
-        # sys.exit() from the middle of the program with everything open
-        "sys-exit": """
-            be = Backend("cpu", n_threads=1)
-            cache = DraftKvCache(w.to_backend(be, "f32"), be, 19)
-            cache.step(ring, 60, noise)
-            raise SystemExit(0)
-        """,
-    }[scenario]
-    code = textwrap.dedent(_CHILD_SETUP) + textwrap.dedent(body)
-    proc = _run_child(code + "\nprint('child done', flush=True)\n" if scenario != "sys-exit" else code)
+    proc = run_in_child(f"tests.drafter.exit_scenarios:{scenario}", timeout=120)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert proc.stderr == "", proc.stderr[-4000:]
-    if scenario != "sys-exit":
+    if scenario != "sys_exit":
         assert "child done" in proc.stdout
 
 
@@ -544,52 +466,3 @@ def test_backend_close_waits_for_a_running_compute():
     for obj in reversed(owned):
         obj.close()
     assert outcome.get("ok") or "closed" in outcome.get("error", "")
-
-
-# ============================================================================ idle threads sleep
-
-BARRIER_CHILD = r'''
-import json, sys, time
-import numpy as np
-from pyggml_dkv.ggml import Backend, Buffer, Context, Gallocr, Graph
-backend = Backend("cpu", n_threads=2)
-x = np.random.default_rng(0).standard_normal((2048, 4096)).astype(np.float32)
-with Context(n_tensors=1) as ctx, Context(n_tensors=64, graph_size=64) as g:
-    t = ctx.new_tensor("f32", 4096, 2048)
-    with Buffer.alloc_ctx_tensors(ctx, backend):
-        t.set(x)
-        graph = Graph(g, 64)
-        # argmax is computed by one thread (ggml's n_tasks = 1): the other waits at each node's barrier
-        outs = [g.argmax(t) for _ in range(24)]
-        for o in outs:
-            graph.expand(o)
-        graph.expand(g.add(t, t))  # a node both threads work on, so the graph runs on 2 threads
-        with Gallocr(backend) as galloc:
-            galloc.alloc_graph(graph)
-            graph.compute(backend)  # warm-up: OpenMP team started, pages touched
-            wall0, cpu0 = time.perf_counter(), time.process_time()
-            graph.compute(backend)
-            wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-            ok = all(np.array_equal(o.numpy(), x.argmax(-1)) for o in outs)
-print(json.dumps({"wall": wall, "cpu": cpu, "ok": ok}))
-'''
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the futex barrier is Linux-only")
-def test_waiting_thread_sleeps_in_graph_barriers():
-    """With vendor/patches/0005 a thread waiting at a node's barrier spins ~256 pauses and then
-    sleeps, even under OMP_WAIT_POLICY=ACTIVE (which makes `omp barrier` spin without end: on a
-    shared machine that burns the time slices a descheduled partner needs, see
-    benchmarks/README.md). A graph of single-threaded nodes then costs one core, not two."""
-    if "0005-cpu-barrier-spin-then-futex.patch" not in ggml_mod.built_with_patches():
-        pytest.skip("ggml built without vendor/patches/0005 (its barrier is `omp barrier`)")
-    env = dict(os.environ, OMP_WAIT_POLICY="ACTIVE", OPENBLAS_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, "-c", BARRIER_CHILD], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["ok"], "argmax results differ from numpy"
-    assert got["wall"] > 0.02, got  # long enough to tell one busy core from two
-    # the computing thread is busy all along; a spinning partner would double the process's CPU time
-    assert got["cpu"] < 1.4 * got["wall"], got

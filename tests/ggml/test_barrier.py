@@ -1,0 +1,30 @@
+"""ggml's node barrier (vendor/patches/0005): a waiting thread sleeps instead of spinning."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from pyggml_dkv.ggml import built_with_patches
+from tests.child import run_in_child
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the futex barrier is Linux-only")
+def test_waiting_thread_sleeps_in_graph_barriers():
+    """With vendor/patches/0005 a thread waiting at a node's barrier spins ~256 pauses and then
+    sleeps, even under OMP_WAIT_POLICY=ACTIVE (which makes `omp barrier` spin without end: on a
+    shared machine that burns the time slices a descheduled partner needs, see
+    benchmarks/README.md). A graph of single-threaded nodes then costs one core, not two."""
+    if "0005-cpu-barrier-spin-then-futex.patch" not in built_with_patches():
+        pytest.skip("ggml built without vendor/patches/0005 (its barrier is `omp barrier`)")
+    env = dict(os.environ, OMP_WAIT_POLICY="ACTIVE", OPENBLAS_NUM_THREADS="1")
+    proc = run_in_child("tests.ggml.barrier_child:run", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["ok"], "argmax results differ from numpy"
+    assert got["wall"] > 0.02, got  # long enough to tell one busy core from two
+    # the computing thread is busy all along; a spinning partner would double the process's CPU time
+    assert got["cpu"] < 1.4 * got["wall"], got
