@@ -6,7 +6,7 @@
 #
 #   ./build_ggml.sh                 CPU backend (native SIMD)
 #   GGML_CUDA=1 ./build_ggml.sh     + CUDA backend (cuBLAS from the toolkit or the nvidia-cublas wheel)
-#   GGML_RPC=1 ./build_ggml.sh      + RPC backend
+#   GGML_RPC=0 ./build_ggml.sh      without the RPC backend (built by default)
 #   GGML_SRC=/path ./build_ggml.sh  build a ggml checkout of your own instead of the pin
 #
 # Other knobs: CUDA_ARCHITECTURES (default: native when a GPU is visible, else 90),
@@ -124,7 +124,7 @@ if [ "${GGML_SANITIZE:-}" = address ]; then
     VARIANT="$VARIANT-asan"
 fi
 
-if [ "${GGML_RPC:-0}" = 1 ]; then
+if [ "${GGML_RPC:-1}" = 1 ]; then
     CMAKE_ARGS+=(-DGGML_RPC=ON)
     VARIANT="$VARIANT-rpc"
 fi

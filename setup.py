@@ -1,4 +1,4 @@
-"""Builds ggml (through build_ggml.sh) when its static libraries are missing, then the cffi extension."""
+"""Builds ggml through build_ggml.sh (at once when nothing changed), then the cffi extension."""
 
 import os
 import subprocess
@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent
 
 
 def ensure_ggml_built() -> None:
-    if (ROOT / "pyggml_dkv" / "_libs" / "lib" / "libggml.a").exists():
-        return
+    # always asked: build_ggml.sh returns in well under a second when the source and options
+    # (GGML_RPC, GGML_CUDA, GGML_SRC, ...) are those of the last build, and rebuilds otherwise
     env = dict(os.environ, PYTHON=sys.executable)
     subprocess.check_call(["bash", str(ROOT / "build_ggml.sh")], env=env)
 

@@ -28,6 +28,7 @@ _LAZY = {
     "Backend": "ggml",
     "BackendInfo": "ggml",
     "BackendUnavailableError": "ggml",
+    "RemoteBackendError": "ggml",
     "Buffer": "ggml",
     "Context": "ggml",
     "Gallocr": "ggml",

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..common.checks import check_choice
 from ..ggml import Backend, GGMLError
+from ..ggml.delta import DeltaUpload
 from ..model.backend_weights import BackendWeights
 from ..model.config import DraftConfig
 from . import layers as L
@@ -55,7 +56,7 @@ class DraftKvCache:
         self.layer_swa = [t == "sliding" and swa != "off" for t in cfg.layer_types]
         self.any_swa = any(self.layer_swa)
         self.any_full = not all(self.layer_swa)
-        self.fold_gqa = L.fold_gqa(cfg, backend.is_cpu)
+        self.fold_gqa = L.fold_gqa(cfg, backend.computes_on_cpu)  # also on an RPC server's CPU
         groups = L.group_size(cfg) if self.fold_gqa else 1
         geo = Geometry.of(cap, cfg.block_size, groups)
         self.geometry = geo
@@ -76,6 +77,9 @@ class DraftKvCache:
         self.k_cache, self.v_cache, self.mem_ctx, self.mem_buf = mem.k_cache, mem.v_cache, mem.ctx, mem.buf
         self.inp_embed, self.inp_tokens, self.pos_q, self.noise_rows = mem.inp_embed, mem.inp_tokens, mem.pos_q, mem.noise_rows
         self.mask_full, self.mask_swa = mem.mask_full, mem.mask_swa
+        # of the noise block typically only the first row changes (the mask token's embedding
+        # repeats): over RPC only those bytes travel (the masks likewise, in StepInputs)
+        self._embed_upload = DeltaUpload.for_tensor(self.inp_embed) if self.inp_embed is not None else None
         self.ap_feat, self.ap_pos, self.ap_rows = mem.ap_feat, mem.ap_pos, mem.ap_rows
         self.g_ctx, self.gf, self.galloc = built.ctx, built.graph, built.galloc
         self.hidden_states, self.logits, self.draft_ids = built.hidden_states, built.logits, built.draft_ids
@@ -117,6 +121,7 @@ class DraftKvCache:
         if self.closed:
             raise GGMLError("DraftKvCache is closed")
         self.backend._check_open()
+        self.backend.check_connection()  # RPC: a failed connection lost this cache's state for good
         if self.weights.closed:
             raise GGMLError("the cache's BackendWeights were closed")
 
@@ -222,7 +227,7 @@ class DraftKvCache:
                 raise GGMLError("this cache takes token ids (it was built with embed_tokens): use step_tokens()")
             emb = check_noise_embed(noise_embed, self.q_len, self.cfg.hidden)
             self.begin_step(ring, committed)
-            self.inp_embed.set(emb)
+            self._embed_upload.upload(emb)  # type: ignore[union-attr]
             self.compute()
             out = self.logits if self.logits is not None else self.hidden_states
             return out.numpy()

@@ -41,7 +41,7 @@ class _WindowGraph:
         self.pos_ctx = i.new_tensor("i32", ctx_len, name="pos_ctx")
         self.pos_q = i.new_tensor("i32", q_len, name="pos_q")
         self.inp_embed = i.new_tensor("f32", cfg.hidden, q_len, name="inp_embed")
-        fold = L.fold_gqa(cfg, be.is_cpu)
+        fold = L.fold_gqa(cfg, be.computes_on_cpu)  # also on an RPC server's CPU
         groups = L.group_size(cfg) if fold else 1
         self.mask_full = i.new_tensor("f16", n_kv, q_len * groups, name="mask_full")
         self.mask_swa = i.new_tensor("f16", n_kv, q_len * groups, name="mask_swa")

@@ -1,11 +1,13 @@
 """StepInputs: fills the step graph's persistent inputs from numpy before each compute: the
 fold-in rows (features, positions, ring slots; padding to the trash slot), the noise positions
-and the masks. Host staging arrays are allocated once; a step allocates nothing."""
+and the masks. Host staging arrays are allocated once. A step changes a few key columns of each
+mask: on an RPC backend only the changed bytes travel (DeltaUpload)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..ggml.delta import DeltaUpload
 from .bulk_append import read_rows
 from .features import FeatureRing
 from .masks import StepMasks
@@ -20,6 +22,8 @@ class StepInputs:
         self._rows = np.full(geo.a_step, geo.trash_slot, dtype=np.int32)
         self._pos_q = np.zeros(geo.q_len, dtype=np.int32)
         self._q_offsets = np.arange(geo.q_len, dtype=np.int32)
+        self._full = DeltaUpload.for_tensor(mem.mask_full) if mem.mask_full is not None else None
+        self._sliding = DeltaUpload.for_tensor(mem.mask_swa) if mem.mask_swa is not None else None
 
     def fold_in(self, ring: FeatureRing, positions: np.ndarray) -> None:
         """The fold-in rows of `positions` (ascending, at most a_step); padding rows go to
@@ -44,6 +48,6 @@ class StepInputs:
         self.mem.pos_q.set(self._pos_q)
         full, sliding = self.masks.fill(slot_pos, lo, committed)
         if full is not None:
-            self.mem.mask_full.set(full)
+            self._full.upload(full)  # type: ignore[union-attr]
         if sliding is not None:
-            self.mem.mask_swa.set(sliding)
+            self._sliding.upload(sliding)  # type: ignore[union-attr]

@@ -46,7 +46,7 @@ from .capabilities import (
     version,
 )
 from .context import Context
-from .errors import BackendUnavailableError, GGMLError
+from .errors import BackendUnavailableError, GGMLError, RemoteBackendError
 from .gallocr import Gallocr
 from .graph import Graph
 from .owned import live_objects
@@ -55,7 +55,7 @@ from .types import MAX_DIMS, TYPE_NAMES, TYPES, dequantize, ggml_type, quantize
 
 __all__ = [
     "AMX_PATCH", "AMX_TYPES", "BF16_ATTENTION_PATCH", "GGML_PREC_BF16", "MAX_DIMS", "REPACKING_BUFFER_TYPES",
-    "TYPES", "TYPE_NAMES", "Backend", "BackendInfo", "BackendUnavailableError", "Buffer", "Context",
+    "TYPES", "TYPE_NAMES", "Backend", "BackendInfo", "BackendUnavailableError", "RemoteBackendError", "Buffer", "Context",
     "GGMLError", "Gallocr", "Graph", "Tensor", "amx_available", "amx_fits", "available_backends",
     "bf16_attention_supported", "built_backends", "built_with_patches", "cpu_extra_buffer_types",
     "cuda_graph_stats", "default_n_threads", "dequantize", "ffi", "ggml_type", "lib", "list_devices",

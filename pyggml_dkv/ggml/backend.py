@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
 from ..common.checks import is_int
+from . import rpc
 from ._lowlevel import ffi, lib
 from .capabilities import built_backends, cuda_device_count, default_n_threads
-from .errors import BackendUnavailableError, GGMLError
+from .errors import BackendUnavailableError, GGMLError, RemoteBackendError
 from .owned import Owned
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -16,16 +18,30 @@ if TYPE_CHECKING:  # pragma: no cover
     from .tensor import Tensor
 
 
+_log = logging.getLogger(__name__)
+
+
 class Backend(Owned):
     """A ggml compute backend: "cpu", "cuda" / "cuda:N", or "rpc:HOST:PORT"."""
 
-    def __init__(self, spec: str = "cpu", n_threads: int | None = None) -> None:
+    _rpc_init_lock = threading.Lock()
+
+    def __init__(self, spec: str = "cpu", n_threads: int | None = None, timeout_s: float | None = None) -> None:
+        """`timeout_s` (RPC only, default rpc.DEFAULT_TIMEOUT_S): how long any one send or receive
+        to the server may take (and the connect and handshake) before the backend is failed with
+        RemoteBackendError. A graph compute is answered by the next download, so it must be longer
+        than the slowest step."""
         if not isinstance(spec, str):
             raise TypeError(f"backend spec must be a string like 'cpu' or 'cuda:0', got {type(spec).__name__}")
         self.spec = spec.strip().lower()
         self.kind = self.spec.split(":", 1)[0]
         # graph computes on one backend are serialized: ggml backends are not re-entrant
         self.lock = threading.Lock()
+        self.device_type: str | None = None  # what computes: "cpu", "gpu", ...; None if unknown
+        self.rpc_endpoint: rpc.Endpoint | None = None
+        self.rpc_server: rpc.ServerInfo | None = None
+        if timeout_s is not None and self.kind != "rpc":
+            raise ValueError(f"timeout_s applies to RPC backends only, not {spec!r}")
         if self.kind == "cpu":
             if self.spec != "cpu":
                 raise ValueError(f"CPU backend spec is just 'cpu', got {spec!r}")
@@ -36,6 +52,7 @@ class Backend(Owned):
                 raise GGMLError("ggml_backend_cpu_init failed")
             self._own(handle, lib.ggml_backend_free, "backend")
             self.set_n_threads(default_n_threads() if n_threads is None else n_threads)
+            self.device_type = "cpu"
         elif self.kind == "cuda":
             device = self._parse_index(spec)
             if "cuda" not in built_backends():
@@ -51,20 +68,42 @@ class Backend(Owned):
                 raise GGMLError(f"ggml_backend_cuda_init({device}) failed (see the pyggml_dkv.ggml log)")
             self._own(handle, lib.ggml_backend_free, "backend")
             self.n_threads = 0
+            self.device_type = "gpu"
         elif self.kind == "rpc":
-            endpoint = spec.split(":", 1)[1] if ":" in spec else ""
-            endpoint = endpoint.removeprefix("//")
-            if "rpc" not in built_backends():
-                raise BackendUnavailableError(f"{spec!r}: this ggml build has no RPC backend; rebuild with GGML_RPC=1 ./build_ggml.sh")
-            if ":" not in endpoint:
-                raise ValueError(f"RPC backend spec must be 'rpc:HOST:PORT', got {spec!r}")
-            handle = lib.ggml_backend_rpc_init(endpoint.encode(), 0)
-            if handle == ffi.NULL:
-                raise BackendUnavailableError(f"could not connect to the RPC server at {endpoint}")
-            self._own(handle, lib.ggml_backend_free, "backend")
-            self.n_threads = 0
+            self._init_rpc(spec, n_threads, timeout_s)
         else:
             raise ValueError(f"unknown backend {spec!r}; expected 'cpu', 'cuda', 'cuda:N' or 'rpc:HOST:PORT'")
+
+    def _init_rpc(self, spec: str, n_threads: int | None, timeout_s: float | None) -> None:
+        host, port = rpc.parse_spec(self.spec)
+        if n_threads is not None:
+            raise ValueError(f"{spec!r}: the server's thread count is set where it runs (--threads), not here")
+        if timeout_s is None:
+            timeout_s = rpc.DEFAULT_TIMEOUT_S
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0.001 <= timeout_s <= 3600:
+            raise ValueError(f"timeout_s must be a number of seconds in [0.001, 3600], got {timeout_s!r}")
+        if "rpc" not in built_backends():
+            raise BackendUnavailableError(f"{spec!r}: this ggml build has no RPC backend; rebuild with GGML_RPC=1 ./build_ggml.sh")
+        endpoint = rpc.resolve(host, port, spec)
+        rpc.open_endpoints.claim(endpoint, self, spec)  # before any connection: a second one would hang
+        try:
+            info = rpc.probe(endpoint, timeout_s, spec)
+            with Backend._rpc_init_lock:  # the timeout applies to the connection ggml opens next
+                lib.ggml_backend_rpc_set_timeout_ms(max(1, round(timeout_s * 1000)))
+                handle = lib.ggml_backend_rpc_init(str(endpoint).encode(), 0)
+            if handle == ffi.NULL:
+                raise BackendUnavailableError(f"RPC server {endpoint} ({spec!r}) answered the handshake, then ggml could not "
+                                              "use it (see the pyggml_dkv.ggml log)")
+        except BaseException:
+            rpc.open_endpoints.release(endpoint, self)
+            raise
+        self._own(handle, lib.ggml_backend_free, "backend")
+        self.n_threads = 0
+        self.rpc_endpoint, self.rpc_server, self.timeout_s = endpoint, info, timeout_s
+        self.device_type = info.device_type
+        if info.device_type is None:
+            _log.warning("RPC server %s did not say what device it computes on (not a pyggml_dkv server?): "
+                         "treated as a GPU, so CPU-only graph choices stay off", endpoint)
 
     @staticmethod
     def _check_n_threads(n_threads: object) -> None:
@@ -91,12 +130,35 @@ class Backend(Owned):
 
     @property
     def is_cpu(self) -> bool:
+        """This process's CPU backend (threads, host buffer types such as AMX)."""
         return self.kind == "cpu"
+
+    @property
+    def computes_on_cpu(self) -> bool:
+        """The graph runs on a CPU: this process's, or an RPC server's CPU. Graph-shape choices
+        made for CPU kernels (e.g. the GQA fold) depend on this, not on is_cpu."""
+        return self.device_type == "cpu"
+
+    @property
+    def failed(self) -> bool:
+        """An RPC backend whose connection failed (server gone, stalled past the timeout, bad
+        reply). Nothing computed on it since can be trusted; it never recovers: re-create it."""
+        return self.kind == "rpc" and not self.closed and bool(lib.ggml_backend_rpc_failed(self._handle))
+
+    def check_connection(self) -> None:
+        """Raise RemoteBackendError if this is an RPC backend whose connection failed."""
+        if self.failed:
+            raise RemoteBackendError(
+                f"the connection to RPC server {self.rpc_endpoint} ({self.spec!r}) failed: the server exited, "
+                f"stalled for over {self.timeout_s:g} s or replied malformed (see the pyggml_dkv.ggml log). "
+                "Results since are lost; re-create the Backend and everything built on it")
 
     def close(self) -> None:
         """Free the backend. Idempotent. A graph compute running on it in another thread finishes first."""
         with self.lock:
             super().close()
+            if self.rpc_endpoint is not None:
+                rpc.open_endpoints.release(self.rpc_endpoint, self)
 
     def set_n_threads(self, n_threads: int) -> None:
         if not self.is_cpu:

@@ -11,7 +11,7 @@ from ._lowlevel import ffi, lib
 from .backend import Backend
 from .capabilities import AMX_TYPES, REPACKING_BUFFER_TYPES, amx_fits
 from .context import Context
-from .errors import GGMLError
+from .errors import GGMLError, RemoteBackendError
 from .owned import Owned
 
 
@@ -91,7 +91,11 @@ class Buffer(Owned):
         return bool(lib.ggml_backend_buffer_is_host(self.handle))
 
     def clear(self, value: int = 0) -> None:
+        liveness.forget_deltas_in_buffer(liveness.addr(self.handle))
         lib.ggml_backend_buffer_clear(self.handle, value & 0xFF)
+        if hasattr(lib, "ggml_backend_rpc_buffer_failed") and lib.ggml_backend_rpc_buffer_failed(self.handle):
+            raise RemoteBackendError(f"buffer {self.name!r}: the connection to its RPC server failed; re-create the "
+                                     "Backend and what lives on it")
 
     def set_usage_weights(self) -> None:
         lib.ggml_backend_buffer_set_usage(self.handle, lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)

@@ -167,5 +167,6 @@ class Graph:
             raise GGMLError("the graph uses a backend buffer that has been closed (or reallocated by its Gallocr)")
         with backend.lock:  # the handle is read under the lock: Backend.close() takes it too
             status = lib.ggml_backend_graph_compute(backend.handle, self.handle)
+        backend.check_connection()  # RPC: a failed send is a failed connection, not just a failed compute
         if status != lib.GGML_STATUS_SUCCESS:
             raise GGMLError(f"graph compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}")

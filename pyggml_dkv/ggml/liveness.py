@@ -9,6 +9,7 @@ detached (data = buffer = NULL) where we can reach them.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,3 +43,22 @@ def detach(ptrs: Iterator[Any], addrs: "set[int] | None") -> None:
         if p.buffer != ffi.NULL and (addr(p.buffer) in addrs if addrs is not None else addr(p.buffer) not in live_buffers):
             p.buffer = ffi.NULL
             p.data = ffi.NULL
+
+
+# DeltaUploads (ggml.delta) remember what their tensor holds on the device. A write through the
+# binding that overlaps their bytes, or a clear of their buffer, makes them forget it (the next
+# upload is whole). Each has .span = (start, end) data addresses and .buffer_addr.
+delta_uploads: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def forget_deltas_overlapping(start: int, end: int) -> None:
+    for up in list(delta_uploads):
+        s, e = up.span
+        if start < e and s < end:
+            up.invalidate()
+
+
+def forget_deltas_in_buffer(buffer_addr: int) -> None:
+    for up in list(delta_uploads):
+        if up.buffer_addr == buffer_addr:
+            up.invalidate()

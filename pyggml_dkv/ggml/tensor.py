@@ -9,11 +9,27 @@ import numpy as np
 from ..common.bf16 import from_bf16_bits, to_bf16_bits
 from . import liveness
 from ._lowlevel import ffi, lib
-from .errors import GGMLError
+from .errors import GGMLError, RemoteBackendError
 from .types import FLOAT_TYPES, INT_DTYPES, TYPE_NAMES, dequantize, quantize
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import Context
+
+
+_HAS_RPC = hasattr(lib, "ggml_backend_rpc_buffer_failed")
+
+
+def check_rpc_transfer(ptr: Any, name: str) -> None:
+    """After a transfer: raise if the tensor lives on an RPC connection that failed (the server
+    went away, stalled past the timeout or replied malformed): the data moved is not valid."""
+    if _HAS_RPC and lib.ggml_backend_rpc_buffer_failed(ptr.buffer):
+        raise RemoteBackendError(f"tensor {name!r}: the connection to its RPC server failed, so the transfer did not "
+                                 "happen (see the pyggml_dkv.ggml log); re-create the Backend and what lives on it")
+
+
+def _on_rpc(ptr: Any) -> bool:
+    buft = lib.ggml_backend_buffer_get_type(ptr.buffer)
+    return ffi.string(lib.ggml_backend_buft_name(buft)).decode().startswith("RPC")
 
 
 class Tensor:
@@ -175,7 +191,9 @@ class Tensor:
         data = self._to_bytes(array)
         if data.nbytes != self.nbytes:  # pragma: no cover - guarded by the shape check
             raise GGMLError(f"size mismatch writing {self.name!r}: {data.nbytes} != {self.nbytes}")
+        self._forget_deltas(0, data.nbytes)
         lib.ggml_backend_tensor_set(self.ptr, ffi.from_buffer(data), 0, data.nbytes)
+        check_rpc_transfer(self.ptr, self.name)
 
     def set_bytes(self, data: np.ndarray, offset: int = 0) -> None:
         """Upload raw storage bytes (already in the tensor's type) at a byte offset."""
@@ -184,7 +202,15 @@ class Tensor:
         data = np.ascontiguousarray(data)
         if offset < 0 or offset + data.nbytes > self.nbytes:
             raise ValueError(f"write of {data.nbytes} bytes at offset {offset} exceeds tensor {self.name!r} ({self.nbytes} bytes)")
+        self._forget_deltas(offset, data.nbytes)
         lib.ggml_backend_tensor_set(self.ptr, ffi.from_buffer(data), offset, data.nbytes)
+        check_rpc_transfer(self.ptr, self.name)
+
+    def _forget_deltas(self, offset: int, size: int) -> None:
+        """A DeltaUpload whose bytes this write overlaps no longer knows what the device holds."""
+        if liveness.delta_uploads:
+            start = liveness.addr(self.ptr.data) + offset
+            liveness.forget_deltas_overlapping(start, start + size)
 
     def numpy(self) -> np.ndarray:
         """Download a copy: float32 for every floating type (exact; quantized types dequantized), intN for ints."""
@@ -193,6 +219,7 @@ class Tensor:
         ty = self.type
         raw = np.empty(self.nbytes, dtype=np.uint8)
         lib.ggml_backend_tensor_get(self.ptr, ffi.from_buffer(raw), 0, raw.nbytes)
+        check_rpc_transfer(self.ptr, self.name)
         if ty == "f32":
             out = raw.view(np.float32)
         elif ty == "f16":
@@ -213,4 +240,9 @@ class Tensor:
         """Set every byte of the tensor's data to `value` (0..255)."""
         self._check_io()
         self._check_partial_io("fill")
+        if _HAS_RPC and _on_rpc(self.ptr):
+            # ggml's RPC buffers have no memset (ggml would abort): upload the bytes instead
+            self.set_bytes(np.full(self.nbytes, value & 0xFF, dtype=np.uint8))
+            return
+        self._forget_deltas(0, self.nbytes)
         lib.ggml_backend_tensor_memset(self.ptr, value & 0xFF, 0, self.nbytes)

@@ -1,0 +1,12 @@
+"""Serving: run ggml's RPC server so a drafter on another machine can compute here.
+
+`python -m pyggml_dkv.serving.rpc_server --host 127.0.0.1 --port N --threads T --device cpu`
+(see rpc_server), or from Python `serve(...)` (blocking, in this process) and
+`RpcServerProcess(...)` (a child process, used by the tests and the benchmark).
+"""
+
+from __future__ import annotations
+
+from .rpc_server import RpcServerError, RpcServerProcess, serve
+
+__all__ = ["RpcServerError", "RpcServerProcess", "serve"]

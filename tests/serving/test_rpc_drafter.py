@@ -1,0 +1,159 @@
+"""DraftKvCache on an RPC server: bit-identical to the local CPU, and failures that end in
+exceptions (never an abort or a hang) with the cache refusing further steps."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing
+from pyggml_dkv.ggml import RemoteBackendError
+
+CAP = 96
+
+
+def trajectory(cfg: DraftConfig, n_steps: int, seed: int = 3):
+    """(committed, noise) per step: 1..8 new positions each, so the ring and cache wrap."""
+    rng = np.random.default_rng(seed)
+    committed = 0
+    for step in range(n_steps):
+        committed += 1 + step % 8
+        yield committed, rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
+
+
+def run(backend: Backend, w: DraftWeights, feats: np.ndarray, dtype: str, n_steps: int):
+    cfg = w.cfg
+    ring = FeatureRing(2 * CAP, cfg.fc_in)
+    outs = []
+    with w.to_backend(backend, dtype) as bw, DraftKvCache(bw, backend, CAP, cache_type="f16") as c:
+        fold = c.fold_gqa
+        written = 0
+        for committed, noise in trajectory(cfg, n_steps):
+            ring.append(feats[written:committed])
+            written = committed
+            outs.append(c.step(ring, committed, noise))
+    return fold, outs
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])  # weights; the cache is f16
+def test_rpc_cpu_is_bit_identical_to_local_cpu(cpu, shared_server, dtype):
+    cfg = DraftConfig.toy()  # 4 query heads over 2 K/V heads: the CPU-only GQA fold applies
+    w = DraftWeights.random(cfg, seed=1)
+    n_steps = 60  # committed reaches ~270: the 96-slot cache wraps twice
+    feats = np.random.default_rng(2).standard_normal((300, cfg.fc_in)).astype(np.float32)
+    fold_local, local = run(cpu, w, feats, dtype, n_steps)
+    with Backend(shared_server.spec) as remote:
+        fold_remote, over_rpc = run(remote, w, feats, dtype, n_steps)
+    assert fold_local and fold_remote  # the remote CPU keeps the CPU graph
+    for step, (a, b) in enumerate(zip(local, over_rpc)):
+        assert np.array_equal(a, b), f"step {step} differs"
+
+
+def start_cache(backend: Backend, timeout_steps: int = 5):
+    cfg = DraftConfig.toy()
+    w = DraftWeights.random(cfg, seed=0)
+    bw = w.to_backend(backend, "f32")
+    cache = DraftKvCache(bw, backend, CAP, cache_type="f16")
+    feats = np.random.default_rng(0).standard_normal((400, cfg.fc_in)).astype(np.float32)
+    ring = FeatureRing(2 * CAP, cfg.fc_in)
+    steps = trajectory(cfg, 100)
+    written = 0
+
+    def step():
+        nonlocal written
+        committed, noise = next(steps)
+        ring.append(feats[written:committed])
+        written = committed
+        return cache.step(ring, committed, noise)
+
+    for _ in range(timeout_steps):
+        step()
+    return bw, cache, step
+
+
+@pytest.mark.parametrize("failure", ["killed", "frozen"])
+def test_server_failure_mid_trajectory_is_an_exception_and_the_cache_stays_refused(server, failure):
+    backend = Backend(server.spec, timeout_s=1.5)
+    bw, cache, step = start_cache(backend)
+    if failure == "killed":
+        server.kill()
+    else:
+        server.suspend()
+    t0 = time.monotonic()
+    with pytest.raises(RemoteBackendError):
+        step()
+    assert time.monotonic() - t0 < 5
+    for _ in range(2):  # refused at once, until re-created
+        t1 = time.monotonic()
+        with pytest.raises(RemoteBackendError, match="re-create"):
+            step()
+        assert time.monotonic() - t1 < 0.5
+    if failure == "frozen":
+        server.resume()
+    cache.close()
+    bw.close()
+    backend.close()
+
+
+def test_a_new_server_and_backend_after_a_failure_work(server, free_port):
+    from pyggml_dkv.serving import RpcServerProcess
+
+    backend = Backend(server.spec, timeout_s=1.5)
+    bw, cache, step = start_cache(backend, 2)
+    server.kill()
+    with pytest.raises(RemoteBackendError):
+        step()
+    cache.close()
+    bw.close()
+    backend.close()
+    with RpcServerProcess(free_port(), threads=1) as again, Backend(again.spec) as b2:
+        bw2, cache2, step2 = start_cache(b2, 3)
+        assert np.isfinite(step2()).all()
+        cache2.close()
+        bw2.close()
+
+
+@pytest.mark.parametrize("signal_name", ["kill", "suspend"])
+def test_server_failing_while_steps_are_in_flight(server, signal_name):
+    """The server dies or freezes at a random point of a step (upload, compute or download)."""
+    import threading
+
+    backend = Backend(server.spec, timeout_s=1.5)
+    bw, cache, step = start_cache(backend, 1)
+    failed_at = []
+    timer = threading.Timer(0.05, lambda: (failed_at.append(time.monotonic()), getattr(server, signal_name)()))
+    timer.start()
+    with pytest.raises(RemoteBackendError):
+        for _ in range(10_000):
+            step()
+    raised_at = time.monotonic()
+    timer.join()
+    assert failed_at and raised_at - failed_at[0] < 5
+    server.resume()
+    cache.close()
+    bw.close()
+    backend.close()
+
+
+def test_inputs_written_directly_between_steps_are_not_lost(cpu, shared_server):
+    """The C-style API writes cache.inp_embed itself; step() must not trust its record of the device."""
+    cfg = DraftConfig.toy()
+    w = DraftWeights.random(cfg, seed=4)
+    feats = np.random.default_rng(5).standard_normal((40, cfg.fc_in)).astype(np.float32)
+    a, b = (np.random.default_rng(s).standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32) for s in (6, 7))
+
+    def run(backend):
+        ring = FeatureRing(64, cfg.fc_in)
+        ring.append(feats)
+        with w.to_backend(backend, "f32") as bw, DraftKvCache(bw, backend, 48) as c:
+            first = c.step(ring, 30, a)
+            c.inp_embed.set(b)
+            c.mask_full.fill(0)  # a mask written behind the cache's back too
+            return first, c.step(ring, 32, a)
+
+    with Backend(shared_server.spec) as remote:
+        over_rpc = run(remote)
+    local = run(cpu)
+    assert all(np.array_equal(x, y) for x, y in zip(local, over_rpc))

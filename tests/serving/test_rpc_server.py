@@ -1,0 +1,56 @@
+"""The server program: wait policy, SIGTERM, argument checks, the warning beyond loopback."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyggml_dkv.serving import RpcServerProcess
+from pyggml_dkv.serving import rpc_server
+
+
+def test_server_runs_with_a_passive_wait_policy(server):
+    env = Path(f"/proc/{server.proc.pid}/environ").read_bytes().split(b"\0")
+    assert b"OMP_WAIT_POLICY=PASSIVE" in env
+
+
+def test_an_explicit_wait_policy_is_kept(free_port):
+    import os
+
+    env = dict(os.environ, OMP_WAIT_POLICY="ACTIVE")
+    with RpcServerProcess(free_port(), env=env) as srv:
+        assert b"OMP_WAIT_POLICY=ACTIVE" in Path(f"/proc/{srv.proc.pid}/environ").read_bytes().split(b"\0")
+
+
+def test_sigterm_exits_cleanly_and_logs_it(server):
+    assert server.stop() == 0
+    server._reader.join(5)
+    assert "received SIGTERM: shutting down" in server.output
+    assert "Traceback" not in server.output
+
+
+def test_port_in_use_is_a_clean_failure(server):
+    out = subprocess.run([sys.executable, "-m", "pyggml_dkv.serving.rpc_server", "--port", str(server.port)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "could not bind" in out.stderr
+
+
+@pytest.mark.parametrize("args", [["--host", "localhost"], ["--host", "::1"], ["--port", "70000"],
+                                  ["--threads", "0"], ["--device", "gpu"]])
+def test_bad_arguments_exit_2_without_a_traceback(args):
+    out = subprocess.run([sys.executable, "-m", "pyggml_dkv.serving.rpc_server", *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_loud_warning_beyond_loopback_only(caplog):
+    with caplog.at_level(logging.WARNING, logger=rpc_server.__name__):
+        rpc_server._warn_if_exposed(ipaddress.IPv4Address("127.0.0.1"), 5000)
+        assert not caplog.records
+        rpc_server._warn_if_exposed(ipaddress.IPv4Address("0.0.0.0"), 5000)  # not bound: the check only
+    assert "NO authentication and NO encryption" in caplog.text
