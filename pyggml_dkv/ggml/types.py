@@ -21,8 +21,23 @@ TYPES: dict[str, int] = {
     "i64": lib.GGML_TYPE_I64,
     "f64": lib.GGML_TYPE_F64,
 }
+
+
+def _type_id_by_ggml_name(ggml_name: str) -> int:
+    """The enum value of a type the cffi declarations do not list (e.g. q5_K), found by its ggml name."""
+    for t in range(int(lib.GGML_TYPE_COUNT)):
+        name = lib.ggml_type_name(t)
+        if name != ffi.NULL and ffi.string(name).decode() == ggml_name:
+            return t
+    raise GGMLError(f"this ggml build has no type {ggml_name!r}")  # pragma: no cover
+
+
+# the k-quants GGUF drafters ship (Q4_K_M files mix q4_K, q5_K and q6_K)
+for _name in ("q4_K", "q5_K", "q6_K"):
+    TYPES[_name.lower()] = _type_id_by_ggml_name(_name)
+QUANT_TYPES = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 TYPE_NAMES = {v: k for k, v in TYPES.items()}
-FLOAT_TYPES = {"f32", "f16", "bf16", "f64", "q8_0", "q4_0"}
+FLOAT_TYPES = {"f32", "f16", "bf16", "f64", *QUANT_TYPES}
 INT_DTYPES = {"i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64}
 
 
