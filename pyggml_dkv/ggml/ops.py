@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._lowlevel import ffi, lib
 from .capabilities import BF16_ATTENTION_PATCH, GGML_PREC_BF16, bf16_attention_supported
-from .types import ggml_type
+from .types import QUANT_TYPES, TYPES, ggml_type
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tensor import Tensor
@@ -23,6 +23,8 @@ _F16 = lib.GGML_TYPE_F16
 _BF16 = lib.GGML_TYPE_BF16
 _FLOAT = (_F32, _F16, _BF16)
 _QUANT = (lib.GGML_TYPE_Q8_0, lib.GGML_TYPE_Q4_0)
+# weight matrices (mul_mat's a, get_rows' table) may also be the k-quants GGUF drafters ship
+_WEIGHT_QUANT = tuple(TYPES[n] for n in QUANT_TYPES)
 # (a, b) type pairs ggml's CPU add/sub/mul kernels implement (the result has a's type)
 _BINARY_TYPES = {(_F32, _F32), (_F16, _F16), (_BF16, _BF16), (_F16, _F32), (_BF16, _F32)}
 _ROPE_MODES = (0, lib.GGML_ROPE_TYPE_NEOX)  # ggml_rope_ext: normal or NEOX (M-RoPE/vision need ggml_rope_multi)
@@ -271,7 +273,7 @@ class OpsMixin:
             _fail("mul_mat", f"cannot multiply a {ea} by b {eb} (need a.ne0 == b.ne0 and b.ne2/ne3 multiples of a's)")
         if _is_transposed(a):
             _fail("mul_mat", "a must not be transposed")
-        _check_type("mul_mat", a, _FLOAT + _QUANT, "a")
+        _check_type("mul_mat", a, _FLOAT + _WEIGHT_QUANT, "a")
         if not (b.type_id == _F32 or (b.type_id == a.type_id and a.type_id in (_F16, _BF16))):
             _fail("mul_mat", f"b must be f32 (or a's type for f16/bf16 a), got {b.type} with a {a.type}")
         if a.nb[0] != lib.ggml_type_size(a.type_id) or b.nb[0] != lib.ggml_type_size(b.type_id):
@@ -412,7 +414,7 @@ class OpsMixin:
         self._same_ctx("get_rows", a, rows)
         if rows.type_id != _I32:
             _fail("get_rows", f"row indices must be i32, got {rows.type}")
-        _check_type("get_rows", a, _FLOAT + _QUANT + (_I32,), "data")
+        _check_type("get_rows", a, _FLOAT + _WEIGHT_QUANT + (_I32,), "data")
         if a.ne[2] != rows.ne[1] or a.ne[3] != rows.ne[2] or rows.ne[3] != 1:
             _fail("get_rows", f"indices {rows.ne} do not match data {a.ne}")
         self._reserve(None)
