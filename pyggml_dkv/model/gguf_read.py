@@ -46,11 +46,6 @@ _REFUSED_KEYS = {
     key("sample_from_anchor"): "DSpark anchor sampling",
     key("has_confidence_head"): "the DSpark confidence head",
     key("rope.scaling.yarn_log_multiplier"): "YaRN log-multiplier magnitude scaling",
-    # llama.cpp's dflash loader ignores these, so a file carrying them means something it does not run
-    key("rope.scaling.yarn_ext_factor"): "a YaRN ext factor llama.cpp's dflash loader ignores",
-    key("rope.scaling.yarn_attn_factor"): "a YaRN attn factor llama.cpp's dflash loader ignores",
-    key("rope.scaling.yarn_beta_fast"): "a YaRN beta llama.cpp's dflash loader ignores",
-    key("rope.scaling.yarn_beta_slow"): "a YaRN beta llama.cpp's dflash loader ignores",
 }
 
 
@@ -221,6 +216,16 @@ def _rope_from_gguf(keys: _Keys, n_ctx_train: int) -> dict[str, Any]:
         f = factor if factor != 0.0 else 1.0
         if orig <= 0:
             raise GGUFError("yarn rope needs rope.scaling.original_context_length or context_length > 0")
+        # llama.cpp's converter copies these from the HF config, its dflash loader ignores them and
+        # runs ext 1, betas 32 / 1, magnitude 1 + 0.1 ln(factor) (HF's default attention_factor):
+        # accepted when they say the same, refused when the file means something llama.cpp does not run
+        hf_magnitude = 1.0 + 0.1 * math.log(f) if f > 1.0 else 1.0
+        for name, runs in (("yarn_ext_factor", 1.0), ("yarn_beta_fast", 32.0), ("yarn_beta_slow", 1.0),
+                           ("yarn_attn_factor", hf_magnitude)):
+            value = keys.float(key(f"rope.scaling.{name}"), runs)
+            if not math.isclose(value, runs, rel_tol=1e-6):
+                raise GGUFError(f"{key(f'rope.scaling.{name}')} = {value}: llama.cpp's dflash loader ignores it and "
+                                f"runs {runs}; this file means a different rope")
         magnitude = 1.0 if f > 1.0 else 1.0 / (1.0 + 0.1 * math.log(f))
         out.update(ext_factor=1.0, beta_fast=32.0, beta_slow=1.0, n_ctx_orig=orig, attn_factor=attn * magnitude)
     return out

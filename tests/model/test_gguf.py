@@ -133,6 +133,22 @@ def test_yarn_keys_as_llama_cpp_reads_them(tmp_path, vocab_file):
     assert "dflash.rope.scaling.attn_factor" not in kv  # llama.cpp's default magnitude is our attn_factor 1
 
 
+@pytest.mark.parametrize("name,value,ok", [
+    ("yarn_beta_fast", 32.0, True), ("yarn_beta_slow", 1.0, True), ("yarn_ext_factor", 1.0, True),
+    ("yarn_attn_factor", 1.0 + 0.1 * np.log(4.0), True),  # what the converter copies from an HF default
+    ("yarn_beta_fast", 16.0, False), ("yarn_ext_factor", 0.5, False), ("yarn_attn_factor", 1.0, False),
+])
+def test_yarn_keys_the_converter_copies(name, value, ok, tmp_path, vocab_file):
+    cfg = toy_cfg(freq_scale=0.25, ext_factor=1.0, n_ctx_orig=64)
+    src = DraftWeights.random(cfg).save_pretrained(tmp_path / "y.gguf", format="gguf", vocab_from=vocab_file)
+    path = copy_gguf(src, tmp_path / "z.gguf", set_keys={f"dflash.rope.scaling.{name}": (value, T.FLOAT32)})
+    if ok:
+        assert DraftWeights.from_pretrained(path).cfg == cfg
+    else:
+        with pytest.raises(GGUFError, match=name):
+            DraftWeights.from_pretrained(path)
+
+
 def test_write_refusals(tmp_path, vocab_file):
     w = toy_weights(toy_cfg())
     with pytest.raises(GGUFError, match="vocab_from"):
@@ -166,7 +182,8 @@ REFUSED_KEYS = [
     ("dflash.hidden_act", ("gelu", T.STRING), "silu"),
     ("dflash.attention.scale", (0.5, T.FLOAT32), "sqrt"),
     ("dflash.rope.scaling.type", ("longrope", T.STRING), "longrope"),
-    ("dflash.rope.scaling.yarn_beta_fast", (16.0, T.FLOAT32), "yarn_beta_fast"),
+    ("dflash.rope.scaling.yarn_beta_fast", (16.0, T.FLOAT32), "yarn_beta_fast"),  # not even a yarn file
+    ("dflash.rope.scaling.yarn_log_multiplier", (0.1, T.FLOAT32), "log-multiplier"),
     ("dflash.hyper_connection.count", (4, T.UINT32), "dflash.hyper_connection.count"),
     ("dflash.feed_forward_length", ([512, 256], (T.ARRAY, T.UINT32)), "per layer"),
     ("dflash.target_layers", ([0, 4], (T.ARRAY, T.INT32)), "target_layers"),
