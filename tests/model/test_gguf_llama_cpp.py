@@ -84,9 +84,8 @@ TOL = {("f16", False): 2e-3, ("f16", True): 2e-3, ("q8_0", False): 4e-2, ("q8_0"
 
 @pytest.mark.parametrize("dtype,flash_attn", list(TOL))
 def test_llama_cpp_drafter_matches_ours(dtype, flash_attn, tmp_path, target_gguf, cpu, parity_log):
-    w = drafter(49152)
-    g = DraftWeights.from_pretrained(w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype=dtype,
-                                                       vocab_from=target_gguf))
+    path = drafter(49152).save_pretrained(tmp_path / "d.gguf", format="gguf", dtype=dtype, vocab_from=target_gguf)
+    g = DraftWeights.from_pretrained(path)
     cfg, cap = g.cfg, 80
     rng = np.random.default_rng(4)
     commits = commits_trajectory(rng, cap, cfg.block_size, 24)
@@ -94,8 +93,8 @@ def test_llama_cpp_drafter_matches_ours(dtype, flash_attn, tmp_path, target_gguf
     tokens = np.full((len(commits), cfg.block_size), cfg.mask_token_id, dtype=np.int32)
     tokens[:, 0] = rng.integers(0, 49152, size=len(commits))
 
-    theirs = llama_dflash_trajectory(g_path := tmp_path / "d.gguf", feats, commits, tokens, cap, flash_attn=flash_attn)
-    assert g_path.is_file() and theirs.shape == (len(commits), cfg.block_size, 49152)
+    theirs = llama_dflash_trajectory(path, feats, commits, tokens, cap, flash_attn=flash_attn)
+    assert theirs.shape == (len(commits), cfg.block_size, 49152)
 
     ring = FeatureRing(max(commits) + 1, cfg.fc_in)
     errs = {"llama.cpp-vs-ours": 0.0, "llama.cpp-vs-reference": 0.0, "ours-vs-reference": 0.0}
