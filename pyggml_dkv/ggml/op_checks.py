@@ -7,6 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ._lowlevel import ffi, lib
+from .types import QUANT_TYPES, TYPES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tensor import Tensor
@@ -18,6 +19,8 @@ F16 = lib.GGML_TYPE_F16
 BF16 = lib.GGML_TYPE_BF16
 FLOAT = (F32, F16, BF16)
 QUANT = (lib.GGML_TYPE_Q8_0, lib.GGML_TYPE_Q4_0)
+# weight matrices (mul_mat's a, get_rows' table) may also be the k-quants GGUF drafters ship
+WEIGHT_QUANT = tuple(TYPES[n] for n in QUANT_TYPES)
 # (a, b) type pairs ggml's CPU add/sub/mul kernels implement (the result has a's type)
 BINARY_TYPES = {(F32, F32), (F16, F16), (BF16, BF16), (F16, F32), (BF16, F32)}
 ROPE_MODES = (0, lib.GGML_ROPE_TYPE_NEOX)  # ggml_rope_ext: normal or NEOX (M-RoPE/vision need ggml_rope_multi)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from ._lowlevel import ffi, lib
 from .capabilities import BF16_ATTENTION_PATCH, GGML_PREC_BF16, bf16_attention_supported
-from .op_checks import check_type, F16, F32, fail, finite, FLOAT, I32, I64, OpBuilder, QUANT, ROPE_MODES, rows_contiguous
+from .op_checks import WEIGHT_QUANT, check_type, F16, F32, fail, finite, FLOAT, I32, I64, OpBuilder, QUANT, ROPE_MODES, rows_contiguous
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tensor import Tensor
@@ -121,7 +121,7 @@ class AttentionOps(OpBuilder):
         self._same_ctx("get_rows", a, rows)
         if rows.type_id != I32:
             fail("get_rows", f"row indices must be i32, got {rows.type}")
-        check_type("get_rows", a, FLOAT + QUANT + (I32,), "data")
+        check_type("get_rows", a, FLOAT + WEIGHT_QUANT + (I32,), "data")
         if a.ne[2] != rows.ne[1] or a.ne[3] != rows.ne[2] or rows.ne[3] != 1:
             fail("get_rows", f"indices {rows.ne} do not match data {a.ne}")
         self._reserve(None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._lowlevel import ffi, lib
-from .op_checks import BF16, BINARY_TYPES, can_repeat, check_type, F16, F32, fail, finite, FLOAT, is_transposed, OpBuilder, QUANT, rows_contiguous
+from .op_checks import WEIGHT_QUANT, BF16, BINARY_TYPES, can_repeat, check_type, F16, F32, fail, finite, FLOAT, is_transposed, OpBuilder, QUANT, rows_contiguous
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tensor import Tensor
@@ -83,7 +83,7 @@ class MathOps(OpBuilder):
             fail("mul_mat", f"cannot multiply a {ea} by b {eb} (need a.ne0 == b.ne0 and b.ne2/ne3 multiples of a's)")
         if is_transposed(a):
             fail("mul_mat", "a must not be transposed")
-        check_type("mul_mat", a, FLOAT + QUANT, "a")
+        check_type("mul_mat", a, FLOAT + WEIGHT_QUANT, "a")
         if not (b.type_id == F32 or (b.type_id == a.type_id and a.type_id in (F16, BF16))):
             fail("mul_mat", f"b must be f32 (or a's type for f16/bf16 a), got {b.type} with a {a.type}")
         if a.nb[0] != lib.ggml_type_size(a.type_id) or b.nb[0] != lib.ggml_type_size(b.type_id):

@@ -10,7 +10,7 @@ from ..common.bf16 import from_bf16_bits, to_bf16_bits
 from . import liveness
 from ._lowlevel import ffi, lib
 from .errors import GGMLError, RemoteBackendError
-from .types import FLOAT_TYPES, INT_DTYPES, TYPE_NAMES, dequantize, quantize
+from .types import FLOAT_TYPES, INT_DTYPES, QUANT_TYPES, TYPE_NAMES, dequantize, quantize
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import Context
@@ -196,10 +196,11 @@ class Tensor:
         check_rpc_transfer(self.ptr, self.name)
 
     def set_bytes(self, data: np.ndarray, offset: int = 0) -> None:
-        """Upload raw storage bytes (already in the tensor's type) at a byte offset."""
+        """Upload raw storage bytes (already in the tensor's type) at a byte offset (a repacked tensor: whole only)."""
         self._check_io()
-        self._check_partial_io("write raw bytes into")
         data = np.ascontiguousarray(data)
+        if not (offset == 0 and data.nbytes == self.nbytes):  # a repacking buffer takes whole tensors only
+            self._check_partial_io("write raw bytes into")
         if offset < 0 or offset + data.nbytes > self.nbytes:
             raise ValueError(f"write of {data.nbytes} bytes at offset {offset} exceeds tensor {self.name!r} ({self.nbytes} bytes)")
         self._forget_deltas(offset, data.nbytes)
@@ -230,7 +231,7 @@ class Tensor:
             out = raw.view(np.float64)
         elif ty in INT_DTYPES:
             out = raw.view(INT_DTYPES[ty])
-        elif ty in ("q8_0", "q4_0"):
+        elif ty in QUANT_TYPES:
             out = dequantize(ty, raw, self.nelements)
         else:  # pragma: no cover
             raise TypeError(f"cannot read a {ty} tensor into numpy")

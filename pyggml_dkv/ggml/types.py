@@ -16,14 +16,20 @@ TYPES: dict[str, int] = {
     "bf16": lib.GGML_TYPE_BF16,
     "q8_0": lib.GGML_TYPE_Q8_0,
     "q4_0": lib.GGML_TYPE_Q4_0,
+    # the k-quants GGUF drafters ship (Q4_K_M files mix q4_K, q5_K and q6_K)
+    "q4_k": lib.GGML_TYPE_Q4_K,
+    "q5_k": lib.GGML_TYPE_Q5_K,
+    "q6_k": lib.GGML_TYPE_Q6_K,
     "i8": lib.GGML_TYPE_I8,
     "i16": lib.GGML_TYPE_I16,
     "i32": lib.GGML_TYPE_I32,
     "i64": lib.GGML_TYPE_I64,
     "f64": lib.GGML_TYPE_F64,
 }
+
+QUANT_TYPES = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 TYPE_NAMES = {v: k for k, v in TYPES.items()}
-FLOAT_TYPES = {"f32", "f16", "bf16", "f64", "q8_0", "q4_0"}
+FLOAT_TYPES = {"f32", "f16", "bf16", "f64", *QUANT_TYPES}
 INT_DTYPES = {"i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64}
 
 

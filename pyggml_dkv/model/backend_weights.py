@@ -17,7 +17,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0")
+WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0", "native")
+# "native": each matrix as its file stores it (DraftWeights.stored, e.g. a GGUF's q4_K blocks,
+# uploaded byte for byte); matrices without a stored form, and arrays uploaded later against
+# these weights (an lm_head given as an array), go in NATIVE_FALLBACK
+NATIVE_FALLBACK = "f16"
 
 
 def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: int) -> bool:
@@ -26,7 +30,8 @@ def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: i
 
 
 class BackendWeights:
-    """Matrices stored as `dtype` (f32, f16, bf16, q8_0), norm vectors always f32.
+    """Matrices stored as `dtype` (f32, f16, bf16, q8_0, or "native": as the file stored them),
+    norm vectors always f32.
 
     `tensors[name]` is the ggml Tensor of checkpoint tensor `name`; `host` the DraftWeights
     they came from. Close it (or use `with`) to free the buffers.
@@ -57,13 +62,13 @@ class BackendWeights:
         self.dtype = dtype
         self.repack = repack
         # every weight matrix is only ever the matrix of a mul_mat, so all that fit may be repacked
-        repacked = {n for n, a in weights.items()
-                    if repack and a.ndim == 2 and not is_norm(n) and amx_eligible(backend, dtype, *a.shape)}
+        types = {n: self._matrix_type(weights, n, dtype) for n, a in weights.items() if a.ndim == 2 and not is_norm(n)}
+        repacked = {n for n, a in weights.items() if repack and n in types and amx_eligible(backend, types[n], *a.shape)}
         self.ctx = Context(n_tensors=len(weights) - len(repacked) + 1)
         self.repacked_ctx = Context(n_tensors=len(repacked) + 1)
         self.tensors: dict[str, Tensor] = {}
         for name, arr in weights.items():
-            ty = "f32" if is_norm(name) or arr.ndim == 1 else dtype
+            ty = types.get(name, "f32")
             ctx = self.repacked_ctx if name in repacked else self.ctx
             # ggml order is the reverse of numpy's: (out, in) -> [in, out]
             self.tensors[name] = ctx.new_tensor(ty, *reversed(arr.shape), name=name[-63:])
@@ -75,10 +80,21 @@ class BackendWeights:
         for buf in self.buffers:
             buf.set_usage_weights()
         for name, arr in weights.items():
-            self.tensors[name].set(arr)
+            stored = weights.stored.get(name)
+            if stored is not None and stored.type_name == types.get(name):
+                self.tensors[name].set_bytes(stored.raw)  # the file's own blocks, byte for byte
+            else:
+                self.tensors[name].set(arr)
         self.n_repacked = len(repacked)
         log.debug("uploaded %d tensors (%.1f MiB, %s, %d repacked for AMX) to %s",
                   len(weights), self.nbytes / 2**20, dtype, self.n_repacked, backend.spec)
+
+    @staticmethod
+    def _matrix_type(weights: DraftWeights, name: str, dtype: str) -> str:
+        if dtype != "native":
+            return dtype
+        stored = weights.stored.get(name)
+        return stored.type_name if stored is not None else NATIVE_FALLBACK
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +137,8 @@ def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,
         raise TypeError(f"{name}: expected a floating-point array, got dtype {arr.dtype}")
     if not np.isfinite(arr).all():
         raise ValueError(f"{name}: contains NaN or inf")
+    if dtype == "native":
+        dtype = NATIVE_FALLBACK
     if dtype == "q8_0" and arr.shape[1] % 32:
         dtype = "f16"
     ctx = Context(n_tensors=1)

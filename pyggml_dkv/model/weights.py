@@ -15,16 +15,36 @@ import numpy as np
 from .config import DraftConfig
 from .checkpoint import read_checkpoint, write_checkpoint
 from .errors import CheckpointError, WeightsError
+from .gguf_names import GGUFError
 from .tensor_names import expected_shapes, is_norm
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .backend_weights import BackendWeights
     from ..ggml import Backend
+    from .backend_weights import BackendWeights
+    from .stored import StoredMatrix
+
+
+def _vocab_matrix(cfg: DraftConfig, arr: np.ndarray | None, name: str) -> np.ndarray | None:
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if arr.ndim != 2 or arr.shape[1] != cfg.hidden or arr.dtype.kind != "f":
+        raise WeightsError(f"{name} must be a float (vocab, hidden={cfg.hidden}) array, got {arr.dtype} {arr.shape}")
+    if cfg.vocab is not None and arr.shape[0] != cfg.vocab:
+        raise WeightsError(f"{name} has {arr.shape[0]} rows, the config says vocab={cfg.vocab}")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    arr.flags.writeable = False
+    return arr
 
 class DraftWeights(Mapping[str, np.ndarray]):
     """Host parameters of one drafter. A read-only mapping `name -> float32 array`."""
 
-    def __init__(self, cfg: DraftConfig, tensors: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, cfg: DraftConfig, tensors: Mapping[str, np.ndarray], *,
+                 stored: Mapping[str, "StoredMatrix"] | None = None,
+                 embed_tokens: np.ndarray | None = None, lm_head: np.ndarray | None = None) -> None:
+        """`stored`: matrices as their file stores them (e.g. a GGUF's quantized blocks), by the
+        same names, plus "embed_tokens" / "lm_head"; `tensors` then holds their dequantized values.
+        `embed_tokens` / `lm_head`: (vocab, hidden) matrices a file ships with the drafter."""
         expected = expected_shapes(cfg)
         missing = sorted(set(expected) - set(tensors))
         if missing:
@@ -45,6 +65,13 @@ class DraftWeights(Mapping[str, np.ndarray]):
                 raise WeightsError(f"{name}: contains NaN or inf")
             arr.flags.writeable = False
             self._tensors[name] = arr
+        self.embed_tokens = _vocab_matrix(cfg, embed_tokens, "embed_tokens")
+        self.lm_head = _vocab_matrix(cfg, lm_head, "lm_head")
+        self.stored: dict[str, StoredMatrix] = dict(stored or {})
+        for name, m in self.stored.items():
+            host = {"embed_tokens": self.embed_tokens, "lm_head": self.lm_head}.get(name, self._tensors.get(name))
+            if host is None or host.shape != m.shape:
+                raise WeightsError(f"stored matrix {name!r} {m.shape} has no host tensor of that shape")
 
     # Mapping protocol
     def __getitem__(self, name: str) -> np.ndarray:
@@ -78,12 +105,27 @@ class DraftWeights(Mapping[str, np.ndarray]):
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "DraftWeights":
-        """Load a DFlash drafter checkpoint directory (config.json + safetensors)."""
+        """Load a DFlash drafter: a checkpoint directory (config.json + safetensors), or a
+        llama.cpp dflash `.gguf` file (model/gguf_read.py)."""
+        if str(path).endswith(".gguf"):
+            return load_gguf(path)
         return load_checkpoint(path)
 
-    def save_pretrained(self, path: str | Path, dtype: str = "float32") -> None:
-        """Write config.json + model.safetensors in the `dflash` package's format."""
+    def save_pretrained(self, path: str | Path, dtype: str = "float32", format: str = "dflash",
+                        vocab_from: str | Path | None = None) -> Path | None:
+        """Write config.json + model.safetensors in the `dflash` package's format, or with
+        `format="gguf"` a llama.cpp dflash GGUF (`dtype` f32 / f16 / bf16 / q8_0 / q4_0 / q4_k /
+        q5_k / q6_k; `vocab_from`: the target's GGUF, whose tokenizer llama.cpp needs). A GGUF
+        goes to `path` if it ends in .gguf, else to `path`/model.gguf; returns that file."""
+        if format == "gguf":
+            # imported here: writing quantizes with ggml, and this module imports without it
+            from .gguf_write import save_gguf
+
+            return save_gguf(self, path, dtype=dtype, vocab_from=vocab_from)
+        if format != "dflash":
+            raise ValueError(f"format must be 'dflash' or 'gguf', got {format!r}")
         save_checkpoint(self, path, dtype=dtype)
+        return None
 
     def to_backend(self, backend: "Backend", dtype: str = "f16", repack: bool = True) -> "BackendWeights":
         """Upload once to the backend. Matrices in `dtype`, norms stay f32 (see BackendWeights for `repack`)."""
@@ -112,3 +154,16 @@ def save_checkpoint(weights: DraftWeights, path: str | Path, dtype: str = "float
     if not isinstance(weights, DraftWeights):
         raise CheckpointError(f"save_checkpoint needs DraftWeights, got {type(weights).__name__}")
     write_checkpoint(weights.cfg, weights, path, dtype)
+
+
+def load_gguf(path: str | Path) -> DraftWeights:
+    """Load a llama.cpp dflash GGUF drafter (memory-mapped; quantized matrices kept as stored)."""
+    # imported here: the reader needs the `gguf` package and ggml's type sizes, this module neither
+    from .gguf_read import read_gguf
+
+    parts = read_gguf(path)
+    try:
+        return DraftWeights(parts.cfg, parts.tensors, stored=parts.stored,
+                            embed_tokens=parts.embed_tokens, lm_head=parts.lm_head)
+    except WeightsError as e:
+        raise GGUFError(f"{Path(path).name}: {e}") from e

@@ -1,0 +1,212 @@
+"""Step benchmark against llama.cpp's own DFlash drafter (issue #15), on the same GGUF.
+
+    python benchmarks/bench_llama_cpp.py                         # small, f16 + q8_0, windows 64..4096
+    python benchmarks/bench_llama_cpp.py --windows 64,1024 --reps 10 --json out.json
+
+One steady-state draft step at window W, both sides: `n_new` (default 9) new context rows are
+committed and one noise block of q_len tokens [last, mask, ...] is drafted, logits (q_len x
+vocab) included and copied to the host.
+  ours_logits  DraftKvCache (cap = W, committed grows by n_new per step) on the GGUF's own
+               weights (dtype "native": the file's f16 / q8_0 blocks), token_embd / output from
+               the file: step_tokens(ring, committed, tokens, output="logits")
+  ours_ids     the same with output="ids": in-graph argmax, no logits copied (information)
+  llama_fa / llama_nofa  llama.cpp's drafter context (libllama C API in a child process, see
+               pyggml_dkv/hosts/llama_cpp_child.py) with flash attention on / off: inject the
+               n_new feature rows (llama_process on an embedding batch), decode the noise block
+               with logits for every row, read them (llama_get_logits_ith), drop the noise rows
+               and the position that left the window (llama_memory_seq_rm)
+The drafter is the `small` shape of bench_step.py (hidden 1024, 5 layers, 16/4 heads, block 16,
+5 target layers) with random weights and the SmolLM2 vocabulary (49152 tokens), written once per
+weight type as a dflash GGUF that both sides load.
+
+llama.cpp cannot share a process with pyggml_dkv (same ggml library names), so its timings come
+from a child process; `--rounds` alternations of our side and llama.cpp's share the machine's
+noise between them (ratios side by side in one run, not interleaved step by step). Reported:
+median and p10 per system, and ours / llama.cpp's best by median and by p10 (the goal: <= 0.5
+at every window and weight type).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# both ggml builds (ours, llama.cpp's in the child, which inherits the environment) use OpenMP:
+# its default spinning wait policy makes every graph node cost a scheduler slice on a machine
+# where other processes compete for the cores (see bench_step.py); passive unless told otherwise
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+
+from pyggml_dkv import Backend, DraftKvCache, FeatureRing  # noqa: E402
+from pyggml_dkv.hosts.llama_cpp_dflash import llama_cpp_available, llama_dflash_bench  # noqa: E402
+from pyggml_dkv.hosts.smollm2 import smollm2_gguf  # noqa: E402
+from pyggml_dkv.model.config import DraftConfig  # noqa: E402
+from pyggml_dkv.model.stored import upload_stored  # noqa: E402
+from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
+
+log = logging.getLogger("bench_llama_cpp")
+
+SMALL = dict(hidden=1024, n_layer=5, n_head=16, n_head_kv=4, head_dim=64, ffn=3072, block_size=16, n_target_layers=5)
+N_VOCAB = 49152
+WINDOWS = (64, 256, 1024, 2048, 4096)
+GOAL = 0.5
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def stats(samples: list[float]) -> dict:
+    a = np.asarray(samples) * 1e3
+    return {"median_ms": float(np.median(a)), "p10_ms": float(np.percentile(a, 10)), "n": int(a.size)}
+
+
+def write_drafter(dtype: str, out_dir: Path) -> Path:
+    cfg = DraftConfig(**SMALL, vocab=N_VOCAB, mask_token_id=2, target_layer_ids=[1, 8, 15, 22, 29])
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((N_VOCAB, cfg.hidden), dtype=np.float32)
+    head = rng.standard_normal((N_VOCAB, cfg.hidden), dtype=np.float32) / np.float32(32)
+    w = DraftWeights(cfg, dict(DraftWeights.random(cfg, seed=0)), embed_tokens=emb, lm_head=head)
+    return w.save_pretrained(out_dir / f"small.{dtype}.gguf", format="gguf", dtype=dtype, vocab_from=smollm2_gguf())
+
+
+class Ours:
+    """Our side for one GGUF: weights uploaded once, a DraftKvCache per window and round."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        self.g = DraftWeights.from_pretrained(path)
+        self.backend = Backend("cpu", n_threads=threads)
+        self.bw = self.g.to_backend(self.backend, "native")
+        self.emb, self.emb_buf = upload_stored(self.backend, self.g.stored["embed_tokens"], "embed_tokens")
+        self.head, self.head_buf = upload_stored(self.backend, self.g.stored["lm_head"], "lm_head")
+        self.tokens = np.full(self.g.cfg.block_size, self.g.cfg.mask_token_id, dtype=np.int32)
+        self.tokens[0] = 11
+        self.rng = np.random.default_rng(1)
+
+    def run(self, windows: list[int], n_new: int, reps: int, warmup: int) -> dict[str, dict[int, list[float]]]:
+        cfg = self.g.cfg
+        out: dict[str, dict[int, list[float]]] = {"ours_logits": {}, "ours_ids": {}}
+        for W in windows:
+            n_pos = W + 2 * (reps + warmup) * n_new + 1
+            ring = FeatureRing(n_pos, cfg.fc_in)
+            ring.append(self.rng.standard_normal((n_pos, cfg.fc_in), dtype=np.float32))
+            with DraftKvCache(self.bw, self.backend, W, lm_head=self.head, embed_tokens=self.emb) as cache:
+                committed = W
+                cache.step_tokens(ring, committed, self.tokens, output="logits")  # prefill the window
+                samples: dict[str, list[float]] = {"ours_logits": [], "ours_ids": []}
+                for k in range(warmup + reps):
+                    for name, output in (("ours_logits", "logits"), ("ours_ids", "ids")):
+                        committed += n_new
+                        t0 = time.perf_counter()
+                        cache.step_tokens(ring, committed, self.tokens, output=output)
+                        if k >= warmup:
+                            samples[name].append(time.perf_counter() - t0)
+            for name, sm in samples.items():
+                out[name][W] = sm
+        return out
+
+    def close(self) -> None:
+        for obj in (self.emb_buf, self.emb.ctx, self.head_buf, self.head.ctx, self.bw, self.backend):
+            obj.close()
+
+
+def bench_llama(path: Path, windows: list[int], n_new: int, reps: int, warmup: int,
+                threads: int) -> dict[str, dict[int, list[float]]]:
+    cfg = DraftConfig(**SMALL)
+    out = {}
+    for name, fa in (("llama_fa", True), ("llama_nofa", False)):
+        out[name] = llama_dflash_bench(path, windows, fc_in=cfg.fc_in, q_len=cfg.block_size, n_new=n_new, reps=reps,
+                                       warmup=warmup, flash_attn=fa, threads=threads, timeout=1800)
+    return out
+
+
+def report(results: dict, args: argparse.Namespace) -> None:
+    print(f"\nDFlash draft step, ours vs llama.cpp (same GGUF, `small` drafter, vocab {N_VOCAB}, "
+          f"{args.n_new} new rows + {SMALL['block_size']}-token noise block with logits)")
+    print(f"CPU: {results['cpu']}, {args.threads} threads, OMP_WAIT_POLICY={results['omp_wait_policy']}, "
+          f"load average {results['load_avg_start'][0]:.1f} at the start; median ms (p10)")
+    systems = ("ours_logits", "ours_ids", "llama_fa", "llama_nofa")
+    for dtype, res in results["runs"].items():
+        print(f"\nweights {dtype}")
+        print(f"{'W':>6} " + " ".join(f"{s:>17}" for s in systems) + f" {'ours/best llama (p10)':>21} {'ids/best':>9}")
+        for W in args.windows:
+            cells = []
+            for s in systems:
+                st = res.get(s, {}).get(W)
+                cells.append(f"{st['median_ms']:8.2f} ({st['p10_ms']:6.2f})" if st else f"{'-':>17}")
+            best = min(res[s][W]["median_ms"] for s in ("llama_fa", "llama_nofa") if W in res.get(s, {}))
+            best10 = min(res[s][W]["p10_ms"] for s in ("llama_fa", "llama_nofa") if W in res.get(s, {}))
+            r = res["ours_logits"][W]["median_ms"] / best
+            r10 = res["ours_logits"][W]["p10_ms"] / best10
+            r_ids = res["ours_ids"][W]["median_ms"] / best
+            res.setdefault("ratios", {})[W] = {"ours_logits_over_best_llama": r, "p10": r10,
+                                               "ours_ids_over_best_llama": r_ids}
+            flag = "ok" if r <= GOAL else "MISS"
+            print(f"{W:>6} " + " ".join(cells) + f" {r:>5.2f} ({r10:4.2f}) {flag:>4} {r_ids:>9.2f}")
+    print(f"\ngoal: ours_logits / min(llama_fa, llama_nofa) <= {GOAL} at every window and weight type")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtypes", default="f16,q8_0", help="comma list of GGUF weight types (default f16,q8_0)")
+    ap.add_argument("--windows", default=",".join(map(str, WINDOWS)))
+    ap.add_argument("--reps", type=int, default=15, help="timed steps per system and window, over all rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of our side and llama.cpp's (default 3)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--n-new", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    args.dtypes = args.dtypes.split(",")
+    args.windows = [int(w) for w in args.windows.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = parse_args(argv)
+    if not llama_cpp_available():
+        raise SystemExit("llama-cpp-python is not installed (pip install pyggml_dkv[llama])")
+    results: dict = {"cpu": cpu_name(), "threads": args.threads, "n_new": args.n_new,
+                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_avg_start": os.getloadavg(), "runs": {}}
+    per_round = max(1, args.reps // args.rounds)
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in args.dtypes:
+            path = write_drafter(dtype, Path(tmp))
+            ours = Ours(path, args.threads)
+            samples: dict[str, dict[int, list[float]]] = {}
+            try:
+                # rounds alternate the two sides, so machine noise hits both alike
+                for r in range(args.rounds):
+                    for part in (ours.run(args.windows, args.n_new, per_round, args.warmup),
+                                 bench_llama(path, args.windows, args.n_new, per_round, args.warmup, args.threads)):
+                        for name, by_w in part.items():
+                            for W, t in by_w.items():
+                                samples.setdefault(name, {}).setdefault(int(W), []).extend(t)
+                    log.info("%s round %d/%d: %s", dtype, r + 1, args.rounds,
+                             {n: {W: round(1e3 * float(np.median(t)), 1) for W, t in by_w.items()}
+                              for n, by_w in samples.items()})
+            finally:
+                ours.close()
+            results["runs"][dtype] = {name: {W: stats(t) for W, t in by_w.items()} for name, by_w in samples.items()}
+    report(results, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

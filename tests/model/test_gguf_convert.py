@@ -1,0 +1,76 @@
+"""An HF dflash checkpoint converted by llama.cpp's own converter (convert_hf_to_gguf.py, class
+DFlashModel) loads to the same config and tensors as our safetensors loader reads.
+
+The converter lives in the llama.cpp sources (llama-cpp-python's sdist ships them under
+vendor/llama.cpp; the installed wheel does not): point PYGGML_DKV_LLAMA_CPP_SRC at that folder.
+It needs torch and a target model directory with a tokenizer; the target here is a Qwen3
+config with a tiny SentencePiece tokenizer trained on the spot (the converter copies its
+vocabulary; the drafter's tensors do not depend on it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyggml_dkv.model.weights import load_checkpoint
+from pyggml_dkv.model.config import DraftConfig
+from pyggml_dkv.model.weights import DraftWeights
+
+pytest.importorskip("gguf")
+SRC = os.environ.get("PYGGML_DKV_LLAMA_CPP_SRC")
+if not SRC or not (Path(SRC) / "convert_hf_to_gguf.py").is_file():
+    pytest.skip("set PYGGML_DKV_LLAMA_CPP_SRC to a llama.cpp source tree (e.g. llama-cpp-python 0.3.36's "
+                "sdist, vendor/llama.cpp) to run its converter", allow_module_level=True)
+for _module in ("torch", "sentencepiece", "transformers"):
+    pytest.importorskip(_module, reason=f"llama.cpp's converter needs {_module}")
+
+N_VOCAB = 512
+
+
+def target_dir(path: Path) -> Path:
+    import sentencepiece as spm
+
+    path.mkdir()
+    text = path / "corpus.txt"
+    words = [f"w{i}x{i % 7}" for i in range(3000)]
+    text.write_text("\n".join(" ".join(words[i:i + 12]) for i in range(0, len(words), 12)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(path / "tokenizer"), vocab_size=300,
+                                   model_type="bpe", minloglevel=2)
+    text.unlink()
+    (path / "tokenizer.vocab").unlink()
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": N_VOCAB, "hidden_size": 256,
+           "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
+           "head_dim": 64, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("changes", [
+    dict(),
+    dict(freq_scale=0.25, ext_factor=1.0, n_ctx_orig=1024, block_size=10, mask_token_id=300),
+])
+def test_converted_checkpoint_loads_to_the_same_drafter(changes, tmp_path):
+    base = dict(vocab=N_VOCAB, mask_token_id=5, target_layer_ids=[1, 5, 9])
+    base.update(changes)
+    cfg = DraftConfig.toy(**base)
+    draft = tmp_path / "draft"
+    DraftWeights.random(cfg, seed=2).save_pretrained(draft, dtype="float32")
+    out = tmp_path / "converted.gguf"
+    proc = subprocess.run(
+        [sys.executable, str(Path(SRC) / "convert_hf_to_gguf.py"), str(draft), "--target-model-dir",
+         str(target_dir(tmp_path / "target")), "--outfile", str(out), "--outtype", "f32"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = load_checkpoint(draft)
+    theirs = DraftWeights.from_pretrained(out)
+    assert theirs.cfg == ours.cfg
+    assert sorted(theirs) == sorted(ours)
+    for name in ours:
+        np.testing.assert_array_equal(theirs[name], ours[name], err_msg=name)

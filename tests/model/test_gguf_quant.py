@@ -1,0 +1,80 @@
+"""Quantized GGUF drafters stay quantized on the backend, and match the float64 reference
+computed with the dequantized values of the very same blocks.
+
+The GGUF's blocks are uploaded byte for byte (BackendWeights dtype "native"). ggml multiplies a
+quantized matrix by first quantizing the activations to 8 bits (q8_0 / q8_K blocks, its
+`vec_dot_type`), so even with exactly the reference's weights the step carries an 8-bit
+activation rounding in every product: up to 0.4% of a block's largest value per element.
+The tolerances below are ~2x the worst error measured over the trajectory (printed in the
+test summary); f16 / bf16 weights round the activations to f16 / bf16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyggml_dkv import DraftKvCache, FeatureRing
+from pyggml_dkv import reference as R
+from pyggml_dkv.common.numeric import relative_error
+from pyggml_dkv.model.config import DraftConfig
+from pyggml_dkv.model.stored import upload_stored
+from pyggml_dkv.model.weights import DraftWeights
+
+pytest.importorskip("gguf")
+from tests.model.gguf_helpers import write_vocab_gguf  # noqa: E402
+
+N_VOCAB = 128
+# worst max|a-b|/max|b| measured on this trajectory (AMD EPYC Zen 5, 1 thread), hidden / logits,
+# -> tolerance ~2x that. The error follows the activations' format, not the weights' bits:
+# f16 1.4e-4 / 1.1e-4 (activations in f16); bf16 3.4e-3 / 4.2e-3 (bf16: 8-bit mantissa);
+# q8_0 1.4e-2 / 1.4e-2 and q4_0 1.3e-2 / 1.5e-2 (activations in q8_0: int8 per 32 values);
+# q4_k 2.3e-2 / 2.0e-2, q5_k 2.1e-2 / 2.3e-2, q6_k 2.3e-2 / 2.4e-2 (q8_K: int8 per 256 values,
+# so one outlier coarsens more values). The weights themselves are exact (the reference
+# computes with the dequantized blocks), which is why q6_k is no closer than q4_k.
+TOL = {
+    "f16": 3e-4, "bf16": 1e-2, "q8_0": 3e-2, "q4_0": 3e-2, "q6_k": 5e-2, "q5_k": 5e-2, "q4_k": 5e-2,
+}
+COMMITS = (3, 17, 40, 41, 90, 75, 160, 161, 300)
+
+
+@pytest.fixture(scope="module")
+def vocab_file(tmp_path_factory):
+    return write_vocab_gguf(tmp_path_factory.mktemp("vocab") / "target.gguf", N_VOCAB)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_native_quantized_step_matches_reference(dtype, tmp_path, vocab_file, cpu, parity_log):
+    cfg = DraftConfig.toy(vocab=N_VOCAB, mask_token_id=3, target_layer_ids=[1, 4, 7])
+    rng = np.random.default_rng(5)
+    w = DraftWeights(cfg, dict(DraftWeights.random(cfg, seed=5)),
+                     lm_head=rng.standard_normal((N_VOCAB, cfg.hidden), dtype=np.float32) / np.float32(16))
+    g = DraftWeights.from_pretrained(w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype=dtype,
+                                                       vocab_from=vocab_file))
+    cap = 70
+    feats = rng.standard_normal((max(COMMITS) + 1, cfg.fc_in)).astype(np.float32)
+    ring = FeatureRing(cap + 3 * cfg.block_size, cfg.fc_in)
+    worst = {"hidden": 0.0, "logits": 0.0}
+    with g.to_backend(cpu, "native") as bw:
+        for name, t in bw.tensors.items():
+            assert t.type == (dtype if g[name].ndim == 2 else "f32"), name
+            if g[name].ndim == 2:  # ggml's dequantization of the uploaded blocks == gguf's (the host copy)
+                np.testing.assert_array_equal(t.numpy(), g[name], err_msg=name)
+        head, head_buf = upload_stored(cpu, g.stored["lm_head"], "lm_head")
+        try:
+            with DraftKvCache(bw, cpu, cap, cache_type="f32") as hid, \
+                    DraftKvCache(bw, cpu, cap, lm_head=head, cache_type="f32") as lgt:
+                for committed in COMMITS:
+                    ring.write(min(ring.written, committed), feats[min(ring.written, committed):committed])
+                    noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
+                    for what, cache, lm in (("hidden", hid, None), ("logits", lgt, g.lm_head)):
+                        got = cache.step(ring, committed, noise)
+                        want = R.reference_step(g, feats, committed, cap, noise, lm_head=lm)
+                        e = relative_error(got, want)
+                        worst[what] = max(worst[what], e)
+                        assert e <= TOL[dtype], f"{dtype} {what} committed={committed}: {e:.3e} > {TOL[dtype]}"
+        finally:
+            head_buf.close()
+            head.ctx.close()
+    for what, e in worst.items():
+        parity_log(f"gguf-native-vs-reference ({what})", f"w={dtype} kv=f32", e, "toy 256/2L, cap 70")
