@@ -7,7 +7,8 @@ import logging
 import numpy as np
 
 from .config import DraftConfig
-from .ggml import Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, ggml_type, lib
+from .ggml import (Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, ggml_type, lib,
+                   vnni_available, vnni_fits)
 from .weights import DraftWeights, is_norm
 
 log = logging.getLogger(__name__)
@@ -15,9 +16,34 @@ log = logging.getLogger(__name__)
 WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
+def default_weight_dtype(backend: Backend) -> str:
+    """The weight type `dtype="auto"` picks for `backend`.
+
+    The rule: q8_0 on a CPU backend whose ggml has a fast int8 product for it (AMX tiles on Xeons
+    with AMX; our AVX512-VNNI kernel, vendor/patches/0010, on AMD Zen 4/5 and Intel CPUs with VNNI
+    but no AMX): half the bytes of f16 and int8 products (~2x faster steps than f16 on both, see
+    benchmarks/README.md). f16 everywhere else: GPUs, and x86 CPUs with only AVX2, where ggml's
+    generic q8_0 path is no faster than f16 (unmeasured here; f16 is also the more precise).
+    """
+    if backend.is_cpu and (amx_available() or vnni_available()):
+        return "q8_0"
+    return "f16"
+
+
 def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: int) -> bool:
     """Can an (out, in) `dtype` matrix on `backend` use ggml's AMX kernels (q8_0 on AMX Xeons)?"""
     return backend.is_cpu and amx_fits(dtype, (in_features, out_features)) and amx_available()
+
+
+def repack_buffer(backend: Backend, dtype: str, out_features: int, in_features: int) -> str | None:
+    """The repacking buffer type an (out, in) `dtype` matrix that is only ever multiplied goes to:
+    "AMX" (ggml's AMX kernels), else "CPU_REPACK" (q8_0 on AVX512-VNNI, vendor/patches/0010),
+    else None (an ordinary buffer)."""
+    if amx_eligible(backend, dtype, out_features, in_features):
+        return "AMX"
+    if backend.is_cpu and vnni_fits(dtype, (in_features, out_features)) and vnni_available():
+        return "CPU_REPACK"
+    return None
 
 
 class BackendWeights:
@@ -26,15 +52,20 @@ class BackendWeights:
     `tensors[name]` is the ggml Tensor of checkpoint tensor `name`; `host` the DraftWeights
     they came from. Close it (or use `with`) to free the buffers.
 
+    `dtype="auto"` (default) picks by the backend and CPU: `default_weight_dtype`.
+
     With `repack` (default) and q8_0 weights on a CPU with AMX, the matrices go to ggml's AMX
     buffer, which lays them out for its int8 tile kernels as they are uploaded (about 3x faster
-    matrix products than the generic q8_0 path). Those tensors cannot be read back
-    (`Tensor.numpy()` raises); `host` still has the values.
+    matrix products than the generic q8_0 path); on a CPU without AMX but with AVX512-VNNI, to
+    the CPU_REPACK buffer for the VNNI kernel of vendor/patches/0010 (likewise ~3x). Those tensors
+    cannot be read back (`Tensor.numpy()` raises); `host` still has the values.
     """
 
-    def __init__(self, weights: DraftWeights, backend: Backend, dtype: str = "f16", repack: bool = True) -> None:
+    def __init__(self, weights: DraftWeights, backend: Backend, dtype: str = "auto", repack: bool = True) -> None:
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"expected DraftWeights, got {type(weights).__name__}")
+        if dtype == "auto":
+            dtype = default_weight_dtype(backend)
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
         if not isinstance(repack, bool):
@@ -51,8 +82,13 @@ class BackendWeights:
         self.dtype = dtype
         self.repack = repack
         # every weight matrix is only ever the matrix of a mul_mat, so all that fit may be repacked
-        repacked = {n for n, a in weights.items()
-                    if repack and a.ndim == 2 and not is_norm(n) and amx_eligible(backend, dtype, *a.shape)}
+        # one repacking buffer per drafter: AMX if any matrix fits it (those that do not stay in the
+        # ordinary buffer, as before the VNNI kernel), else CPU_REPACK (VNNI) if any fits that
+        kinds = {n: repack_buffer(backend, dtype, *a.shape) for n, a in weights.items()
+                 if repack and a.ndim == 2 and not is_norm(n)}
+        found = set(kinds.values())
+        self.repack_kind = "AMX" if "AMX" in found else "CPU_REPACK" if "CPU_REPACK" in found else None
+        repacked = {n for n, k in kinds.items() if k is not None and k == self.repack_kind}
         self.ctx = Context(n_tensors=len(weights) - len(repacked) + 1)
         self.repacked_ctx = Context(n_tensors=len(repacked) + 1)
         self.tensors: dict[str, Tensor] = {}
@@ -65,7 +101,8 @@ class BackendWeights:
         if len(repacked) < len(weights):
             self.buffers.append(Buffer.alloc_ctx_tensors(self.ctx, backend))
         if repacked:
-            self.buffers.append(Buffer.alloc_ctx_tensors_from_buft(self.repacked_ctx, cpu_extra_buffer_types()["AMX"], backend))
+            self.buffers.append(Buffer.alloc_ctx_tensors_from_buft(self.repacked_ctx, cpu_extra_buffer_types()[self.repack_kind],
+                                                                   backend))
         for buf in self.buffers:
             buf.set_usage_weights()
         for name, arr in weights.items():
@@ -119,8 +156,9 @@ def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,
         dtype = "f16"
     ctx = Context(n_tensors=1)
     t = ctx.new_tensor(dtype, arr.shape[1], arr.shape[0], name=name)
-    if matmul_only and amx_eligible(backend, dtype, *arr.shape):
-        buf = Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()["AMX"], backend)
+    kind = repack_buffer(backend, dtype, *arr.shape) if matmul_only else None
+    if kind is not None:
+        buf = Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], backend)
     else:
         buf = Buffer.alloc_ctx_tensors(ctx, backend)
     buf.set_usage_weights()

@@ -286,6 +286,33 @@ def amx_available() -> bool:
     return "AMX" in cpu_extra_buffer_types()
 
 
+# q8_0 weights repacked for an AVX512-VNNI kernel in ggml's CPU_REPACK buffer (vendor/patches/0010):
+# the fast q8_0 path of CPUs without AMX (AMD Zen 4/5, Intel Ice Lake .. Cascade Lake with VNNI).
+# Its layout groups 16 output rows, so matrices need out % 16 == 0 and in % 32 == 0.
+VNNI_PATCH = "0010-cpu-q8_0-avx512-vnni-repack.patch"
+
+
+def vnni_fits(type_name: str, ne: tuple[int, ...]) -> bool:
+    """Can the CPU_REPACK buffer hold this tensor for the VNNI q8_0 kernel (2-D q8_0, ne0 % 32, ne1 % 16)?"""
+    ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
+    return type_name == "q8_0" and ne4[0] % 32 == 0 and ne4[1] % 16 == 0 and ne4[2:] == (1, 1)
+
+
+def vnni_available() -> bool:
+    """True when ggml carries the VNNI q8_0 kernel (patch 0010) and was compiled for AVX512-VNNI."""
+    return (VNNI_PATCH in built_with_patches() and bool(lib.ggml_cpu_has_avx512_vnni())
+            and "CPU_REPACK" in cpu_extra_buffer_types())
+
+
+def cpu_features() -> dict[str, bool]:
+    """The SIMD features ggml's CPU backend was compiled for (GGML_NATIVE: those of the build machine),
+    and whether AMX is usable now (amx_available: also honours PYGGML_DKV_NO_AMX)."""
+    names = ("avx2", "fma", "f16c", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16", "amx_int8")
+    found = {n: bool(getattr(lib, f"ggml_cpu_has_{n}")()) for n in names}
+    found["amx_usable"] = amx_available()
+    return found
+
+
 class Backend(_Owned):
     """A ggml compute backend: "cpu", "cuda" / "cuda:N", or "rpc:HOST:PORT"."""
 
@@ -627,7 +654,7 @@ class Tensor:
     def _check_partial_io(self, what: str) -> None:
         if self.is_repacked:
             raise GGMLError(f"cannot {what} tensor {self.name!r}: it is stored repacked for a CPU kernel "
-                            "(AMX buffer), so it can only be written whole with set(), never read back")
+                            "(AMX or CPU_REPACK buffer), so it can only be written whole with set(), never read back")
 
     def _to_bytes(self, array: Any) -> Any:
         """Convert `array` to this tensor's storage bytes, checking dtype and shape."""
@@ -810,8 +837,16 @@ class Buffer(_Owned):
                 if not t.is_allocated and not amx_fits(t.type, t.ne):
                     raise ValueError(f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the AMX buffer: "
                                      f"it takes 2-D {'/'.join(AMX_TYPES)} matrices whose two sizes are multiples of 32")
+        elif name == "CPU_REPACK" and vnni_available():
+            # only our VNNI q8_0 layout: ggml's other CPU_REPACK layouts are untested here, and a
+            # tensor no layout takes would crash ggml on upload
+            for t in ctx.tensors():
+                if not t.is_allocated and not vnni_fits(t.type, t.ne):
+                    raise ValueError(f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the CPU_REPACK buffer: "
+                                     "it takes 2-D q8_0 matrices of whole 32-value blocks and 16-row groups")
         elif name in REPACKING_BUFFER_TYPES:
-            raise GGMLError(f"the {name} buffer type is not supported by pyggml_dkv (only AMX is)")
+            raise GGMLError(f"the {name} buffer type is not supported by pyggml_dkv (only AMX, and CPU_REPACK "
+                            "for q8_0 with vendor/patches/0010 on AVX512-VNNI, are)")
         handle = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx.handle, buffer_type)
         return cls(handle, backend, ctx)
 
@@ -999,7 +1034,7 @@ class Graph:
                 ok = (node.op == "MUL_MAT" and i == 0 and src.view_src == ffi.NULL and backend.is_cpu
                       and backend.supports(node))
                 if not ok:
-                    raise GGMLError(f"{node.op} node {node.name!r} reads {name!r}, which is stored repacked for AMX: "
+                    raise GGMLError(f"{node.op} node {node.name!r} reads {name!r}, which is stored repacked for AMX or VNNI: "
                                     "only a matrix product (mul_mat) of the whole tensor by contiguous f32 rows on the "
                                     "CPU backend can use it; upload that tensor with repack=False")
 

@@ -136,7 +136,7 @@ class DraftWeights(Mapping[str, np.ndarray]):
 
         save_checkpoint(self, path, dtype=dtype)
 
-    def to_backend(self, backend: "Backend", dtype: str = "f16", repack: bool = True) -> "BackendWeights":
+    def to_backend(self, backend: "Backend", dtype: str = "auto", repack: bool = True) -> "BackendWeights":
         """Upload once to the backend. Matrices in `dtype`, norms stay f32 (see BackendWeights for `repack`)."""
         from .backend_weights import BackendWeights
 

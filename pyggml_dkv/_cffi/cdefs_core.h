@@ -250,6 +250,12 @@ ggml_backend_reg_t ggml_backend_cpu_reg(void);
 /* what the CPU backend was compiled for (non-zero: yes) */
 int ggml_cpu_has_avx512(void);
 int ggml_cpu_has_f16c(void);
+int ggml_cpu_has_avx2(void);
+int ggml_cpu_has_fma(void);
+int ggml_cpu_has_avx_vnni(void);
+int ggml_cpu_has_avx512_vnni(void);
+int ggml_cpu_has_avx512_bf16(void);
+int ggml_cpu_has_amx_int8(void);
 
 /* Python-side callbacks */
 extern "Python" void _pyggml_log_callback(enum ggml_log_level level, const char * text, void * user_data);
