@@ -279,6 +279,25 @@ def bf16_attention_supported() -> bool:
     return BF16_ATTENTION_PATCH in built_with_patches()
 
 
+# the same bf16 products with AVX512-BF16 dot products on CPUs without AMX-BF16 (vendor/patches/0011)
+BF16_ATTENTION_AVX512_PATCH = "0011-cpu-flash-attn-bf16-avx512.patch"
+
+
+def bf16_attention_kernel() -> str:
+    """What attention="bf16" (GGML_PREC_BF16) runs its two products on here: "amx" (AMX-BF16
+    tiles), "avx512_bf16" (vdpbf16ps, patch 0011) or "f32" (no bf16 products: the f32 kernel)."""
+    if not bf16_attention_supported():
+        return "f32"
+    try:
+        if "amx_bf16" in Path("/proc/cpuinfo").read_text().split():
+            return "amx"
+    except OSError:
+        pass
+    if BF16_ATTENTION_AVX512_PATCH in built_with_patches() and lib.ggml_cpu_has_avx512_bf16():
+        return "avx512_bf16"
+    return "f32"
+
+
 def amx_available() -> bool:
     """True when ggml was built with (patched) AMX kernels and this CPU and kernel let us use them."""
     if os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0") or AMX_PATCH not in built_with_patches():
