@@ -516,7 +516,7 @@ class Bench:
         self.kernels = {}
         if self.backend.is_cpu:
             for sysname, dt, att in (("kv_f16", "f16", "f32"), ("kv_q8", "q8_0", "f32"), ("kv_q8_attbf16", "q8_0", "bf16")):
-                if dt in self.bw:
+                if sysname in self.kv:
                     self.kernels[sysname] = kernels_used(dt, self.bw[dt].repack_kind, att)
         self.torch = {}
         for sysname in TORCH_SYSTEMS:

@@ -23,7 +23,8 @@ def default_weight_dtype(backend: Backend) -> str:
     with AMX; our AVX512-VNNI kernel, vendor/patches/0010, on AMD Zen 4/5 and Intel CPUs with VNNI
     but no AMX): half the bytes of f16 and int8 products (~2x faster steps than f16 on both, see
     benchmarks/README.md). f16 everywhere else: GPUs, and x86 CPUs with only AVX2, where ggml's
-    generic q8_0 path is no faster than f16 (unmeasured here; f16 is also the more precise).
+    generic q8_0 path was only 5-8% faster than f16 (an AVX2-only build on the Zen 5, `small`
+    step) for drafts ~40x further from f32 weights (2e-2 vs 5e-4).
     """
     if backend.is_cpu and (amx_available() or vnni_available()):
         return "q8_0"
