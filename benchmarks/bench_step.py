@@ -9,7 +9,10 @@ Systems, each timed for ONE draft step at a context window of W positions:
   kv_f16     DraftKvCache, f16 weights, f16 K/V cache: cache.step(ring, committed, noise)
   kv_q8      DraftKvCache, q8_0 weights (in ggml's AMX buffer on CPUs with AMX), f16 K/V cache
   kv_q8_attbf16  the same with attention="bf16": attention's two products with bf16 inputs on AMX
-             tiles (vendor/patches/0009; PyTorch-bf16 precision), left out when ggml lacks the patch
+             tiles (vendor/patches/0009), else on AVX512-BF16 (0011); PyTorch-bf16 precision; left
+             out when ggml lacks the patch
+  kv_q8_generic  (--generic-q8) kv_q8 with its q8_0 weights in the ordinary buffer: ggml's generic
+             q8_0 kernels, the path of a CPU without AMX before patch 0010 (not in the targets)
   raw        kv_f16's step graph alone: cache.gf.compute(backend) after begin_step + inp_embed upload
              (so step()/raw shows the host overhead of step(): checks, ring copy, masks, uploads, download)
   oneshot    OneShotDrafter, f16 weights: recomputes features + context K/V of the whole window
@@ -131,7 +134,9 @@ CONFIGS = {
 DEFAULT_REPS = {"toy": 30, "small": 15, "qwen3-8b": 5}
 DEFAULT_ONESHOT_REPS = {"toy": 30, "small": 8, "qwen3-8b": 3}
 WINDOWS = (64, 256, 1024, 2048, 4096)
-SYSTEMS = ("kv_f16", "kv_q8", "kv_q8_attbf16", "raw", "oneshot", "torch_fp32", "torch_bf16")
+SYSTEMS = ("kv_f16", "kv_q8", "kv_q8_attbf16", "kv_q8_generic", "raw", "oneshot", "torch_fp32", "torch_bf16")
+# timed only on request (--generic-q8): the q8_0 path of a CPU without AMX before patch 0010
+OPTIONAL_SYSTEMS = ("kv_q8_generic",)
 KV_SYSTEMS = ("kv_f16", "kv_q8", "kv_q8_attbf16")
 TORCH_SYSTEMS = ("torch_fp32", "torch_bf16")
 
@@ -509,15 +514,20 @@ class Bench:
             self.kv["kv_f16"] = KvSystem("kv_f16", self.bw["f16"], self.backend, args.cap_per_window)
         if "kv_q8" in sys_:
             self.kv["kv_q8"] = KvSystem("kv_q8", self.bw["q8_0"], self.backend, args.cap_per_window)
+        if "kv_q8_generic" in sys_:
+            self.bw["q8_0_generic"] = self.host.to_backend(self.backend, "q8_0", repack=False)
+            self.kv["kv_q8_generic"] = KvSystem("kv_q8_generic", self.bw["q8_0_generic"], self.backend, args.cap_per_window)
         if "kv_q8_attbf16" in sys_:
             self.kv["kv_q8_attbf16"] = KvSystem("kv_q8_attbf16", self.bw["q8_0"], self.backend, args.cap_per_window,
                                                 attention="bf16")
         self.oneshot = OneShotDrafter(self.bw["f16"], self.backend, CAP) if "oneshot" in self.systems else None
         self.kernels = {}
         if self.backend.is_cpu:
-            for sysname, dt, att in (("kv_f16", "f16", "f32"), ("kv_q8", "q8_0", "f32"), ("kv_q8_attbf16", "q8_0", "bf16")):
+            for sysname, bw_key, dt, att in (("kv_f16", "f16", "f16", "f32"), ("kv_q8", "q8_0", "q8_0", "f32"),
+                                             ("kv_q8_attbf16", "q8_0", "q8_0", "bf16"),
+                                             ("kv_q8_generic", "q8_0_generic", "q8_0", "f32")):
                 if sysname in self.kv:
-                    self.kernels[sysname] = kernels_used(dt, self.bw[dt].repack_kind, att)
+                    self.kernels[sysname] = kernels_used(dt, self.bw[bw_key].repack_kind, att)
         self.torch = {}
         for sysname in TORCH_SYSTEMS:
             if sysname in self.systems:
@@ -546,7 +556,7 @@ class Bench:
     def _runner(self, sysname: str, window: int):  # noqa: ANN202
         """(prepare, step): prepare is untimed, step is the timed draft step."""
         n = self.n_new
-        if sysname in KV_SYSTEMS:
+        if sysname in self.kv:
             ks = self.kv[sysname]
             state = {}
 
@@ -896,6 +906,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "machine shared with other processes")
     ap.add_argument("--n-new", type=int, default=0, help="context rows committed per step (default q_len/2 + 1)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
+    ap.add_argument("--generic-q8", action="store_true",
+                    help="also time kv_q8_generic: q8_0 weights on ggml's generic kernels (no AMX / VNNI repacking)")
     ap.add_argument("--skip", default="", help=f"comma list of systems to leave out ({','.join(SYSTEMS)})")
     ap.add_argument("--cap-per-window", action="store_true",
                     help="kv caches built with cap=W per window, committed growing (default: cap 4096 + rewind)")
@@ -929,7 +941,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = skip - set(SYSTEMS)
     if bad:
         ap.error(f"unknown system(s) in --skip: {sorted(bad)}")
-    args.systems = [s for s in SYSTEMS if s not in skip and not (args.no_torch and s in TORCH_SYSTEMS)]
+    args.systems = [s for s in SYSTEMS if s not in skip and not (args.no_torch and s in TORCH_SYSTEMS)
+                    and (s not in OPTIONAL_SYSTEMS or args.generic_q8)]
     if args.systems and not args.no_torch and any(s in TORCH_SYSTEMS for s in args.systems):
         try:
             import _torch_ref  # noqa: F401
