@@ -183,3 +183,19 @@ def test_cpu_features_are_reported():
     assert all(isinstance(v, bool) for v in feats.values())
     if feats["avx512_vnni"]:
         assert feats["avx512"]
+
+
+@needs_vnni
+def test_vnni_non_finite_activations_give_nan_rows(cpu):
+    """A NaN or inf among a row's values makes that row's outputs NaN (as f32 arithmetic would; a
+    vector max would silently drop the NaN and return finite garbage); other rows are unaffected."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((32, 96)).astype(np.float32)
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    x[0, 5], x[2, 70], x[3, 40] = np.nan, np.inf, -np.inf
+    wt, buf = upload_matrix(cpu, w, "q8_0", "w", matmul_only=True)
+    with buf:
+        got = _mul_mat(cpu, wt, x)
+    assert np.isnan(got[[0, 2, 3]]).all()
+    ok = [1, 4]
+    assert relative_error(got[ok], _exact(w, x[ok])) < 1e-6
