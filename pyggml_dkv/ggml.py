@@ -288,8 +288,9 @@ def bf16_attention_kernel() -> str:
     tiles), "avx512_bf16" (vdpbf16ps, patch 0011) or "f32" (no bf16 products: the f32 kernel)."""
     if not bf16_attention_supported():
         return "f32"
+    no_amx = os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0")  # patch 0011 honours it in ggml too
     try:
-        if "amx_bf16" in Path("/proc/cpuinfo").read_text().split():
+        if "amx_bf16" in Path("/proc/cpuinfo").read_text().split() and not no_amx:
             return "amx"
     except OSError:
         pass

@@ -172,6 +172,7 @@ def test_no_amx_switch_leaves_q8_0_on_vnni_where_it_can(cpu, monkeypatch):
     assert not amx_available()
     want = "CPU_REPACK" if vnni_available() else None
     assert repack_buffer(cpu, "q8_0", 64, 64) == want
+    assert G.bf16_attention_kernel() != "amx"  # ggml reads the same switch (patch 0011)
     assert repack_buffer(cpu, "f16", 64, 64) is None
     monkeypatch.setattr(G, "built_with_patches", lambda: ())
     assert not G.vnni_available() and repack_buffer(cpu, "q8_0", 64, 64) is None
