@@ -9,7 +9,10 @@ Systems, each timed for ONE draft step at a context window of W positions:
   kv_f16     DraftKvCache, f16 weights, f16 K/V cache: cache.step(ring, committed, noise)
   kv_q8      DraftKvCache, q8_0 weights (in ggml's AMX buffer on CPUs with AMX), f16 K/V cache
   kv_q8_attbf16  the same with attention="bf16": attention's two products with bf16 inputs on AMX
-             tiles (vendor/patches/0009; PyTorch-bf16 precision), left out when ggml lacks the patch
+             tiles (vendor/patches/0009), else on AVX512-BF16 (0011); PyTorch-bf16 precision; left
+             out when ggml lacks the patch
+  kv_q8_generic  (--generic-q8) kv_q8 with its q8_0 weights in the ordinary buffer: ggml's generic
+             q8_0 kernels, the path of a CPU without AMX before patch 0010 (not in the targets)
   raw        kv_f16's step graph alone: cache.gf.compute(backend) after begin_step + inp_embed upload
              (so step()/raw shows the host overhead of step(): checks, ring copy, masks, uploads, download)
   oneshot    OneShotDrafter, f16 weights: recomputes features + context K/V of the whole window
@@ -41,7 +44,14 @@ Machine probes: memory bandwidth (a 512 MiB numpy copy, read+write bytes / s) an
 (a 2048^3 numpy float32 matmul), each trial the best of 1 thread and `--threads` threads (on a shared
 or hyperthreaded machine a second thread may not help); measured before and after the runs, the
 medians of all trials are used.
-Roofline per window and weight type: max(bytes / bandwidth, flops / matmul rate) with
+Instruction peaks (benchmarks/peak_probe.py): the measured rate of vpdpbusd (AVX512-VNNI), vfmadd231ps
+(f32 FMA) and vdpbf16ps (AVX512-BF16) on registers, on `--threads` threads, best of 3, before and after
+the runs (median used). Where the products run on those instructions (no AMX: the f16 kernel of
+patch 0004 and f32 attention on FMAs, q8_0 on VNNI (0010), attention="bf16" on vdpbf16ps (0011)) the
+roofline's compute time is the sum over product kinds of multiply-adds / that instruction's peak;
+elsewhere (a CPU with AMX in use: every system; no AVX-512; no compiler for the probe) it is
+flops / the numpy matmul rate.
+Roofline per window and weight type: max(bytes / bandwidth, compute time) with
   bytes = every weight once (as stored) + the window's K/V (2 * n_layer * W * n_head_kv*head_dim * 2 B)
           + the new feature rows (n_new * fc_in * 4 B)
   flops = 2 * (layer matrices) * q_len                      noise forward
@@ -55,7 +65,7 @@ Speed targets are printed with PASS/MISS:
   vs PyTorch    min(torch_fp32, torch_bf16) / min(kv_*) >= 2 at every window (small); the same with
                 f32 attention only (kv_f16, kv_q8) is printed as information
   host overhead kv_f16 / raw <= 1.10 at every window        (small)
-  roofline      the best cache (kv_f16 vs roofline(f16), kv_q8[_attbf16] vs roofline(q8_0)) <= 1.5 x its roofline
+  roofline      the best cache (kv_f16 vs roofline(f16), kv_q8 vs roofline(q8_0), kv_q8_attbf16 vs its own with bf16 attention) <= 1.5 x its roofline
                 at every window (small, qwen3-8b); each weight type's own ratio is shown too
 """
 
@@ -112,8 +122,9 @@ if str(HERE) not in sys.path:
 
 from pyggml_dkv.common.numeric import relative_error  # noqa: E402
 from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter  # noqa: E402
-from pyggml_dkv.ggml import bf16_attention_supported, cuda_graph_stats  # noqa: E402
+from pyggml_dkv.ggml import bf16_attention_kernel, bf16_attention_supported, built_with_patches, cpu_features, cuda_graph_stats  # noqa: E402
 from pyggml_dkv.model.tensor_names import expected_shapes, is_norm  # noqa: E402
+from peak_probe import probe_peaks  # noqa: E402
 
 CAP = 4096
 CONFIGS = {
@@ -125,7 +136,9 @@ CONFIGS = {
 DEFAULT_REPS = {"toy": 30, "small": 15, "qwen3-8b": 5}
 DEFAULT_ONESHOT_REPS = {"toy": 30, "small": 8, "qwen3-8b": 3}
 WINDOWS = (64, 256, 1024, 2048, 4096)
-SYSTEMS = ("kv_f16", "kv_q8", "kv_q8_attbf16", "raw", "oneshot", "torch_fp32", "torch_bf16")
+SYSTEMS = ("kv_f16", "kv_q8", "kv_q8_attbf16", "kv_q8_generic", "raw", "oneshot", "torch_fp32", "torch_bf16")
+# timed only on request (--generic-q8): the q8_0 path of a CPU without AMX before patch 0010
+OPTIONAL_SYSTEMS = ("kv_q8_generic",)
 KV_SYSTEMS = ("kv_f16", "kv_q8", "kv_q8_attbf16")
 TORCH_SYSTEMS = ("torch_fp32", "torch_bf16")
 
@@ -245,11 +258,49 @@ def cost_model(cfg: DraftConfig, window: int, n_new: int, weight_bytes: int, a_s
             "bytes_weights": weight_bytes, "bytes_kv": kv_bytes}
 
 
-def roofline_s(cost: dict, bw_gbs: float, gflops: float) -> dict:
+def roofline_s(cost: dict, bw_gbs: float, gflops: float, peaks: dict | None = None,
+               matmul_instr: str | None = None, attention_instr: str | None = None) -> dict:
+    """max(memory time, compute time). Compute time: with both products' instructions known and
+    measured (`peaks`: instruction -> G multiply-adds / s), matmul MACs / peak(matmul_instr) +
+    attention MACs / peak(attention_instr); otherwise flops / the numpy matmul rate `gflops`."""
     t_mem = cost["bytes"] / (bw_gbs * 1e9)
-    t_flop = cost["flops"] / (gflops * 1e9)
+    peaks = peaks or {}
+    if peaks.get(matmul_instr) and peaks.get(attention_instr):
+        t_mm = (cost["flops"] - cost["flops_attention"]) / 2 / (peaks[matmul_instr] * 1e9)
+        t_att = cost["flops_attention"] / 2 / (peaks[attention_instr] * 1e9)
+        t_flop, source = t_mm + t_att, f"{matmul_instr}+{attention_instr}"
+    else:
+        t_flop, source = cost["flops"] / (gflops * 1e9), "numpy sgemm"
     return {"ms": 1e3 * max(t_mem, t_flop), "mem_ms": 1e3 * t_mem, "flop_ms": 1e3 * t_flop,
-            "bound": "memory" if t_mem >= t_flop else "compute"}
+            "bound": "memory" if t_mem >= t_flop else "compute", "compute_rate_source": source}
+
+
+def kernels_used(kind: str, repack_kind: str | None, attention: str) -> dict:
+    """Which CPU kernel runs a cache system's matrix products and attention, and the instruction
+    the roofline charges them to (None: not one we probe, e.g. AMX tiles)."""
+    feats = cpu_features()
+    patches = set(built_with_patches())
+    if kind == "f16":
+        if feats["avx512"] and "0004-cpu-mul-mat-f16-narrow.patch" in patches:
+            mm = ("f16 weights x f32 rows, AVX-512 FMA (patch 0004)", "vfmadd231ps")
+        else:
+            mm = ("ggml f16 (llamafile tinyBLAS)", None)
+    elif repack_kind == "AMX":
+        mm = ("q8_0 on AMX int8 tiles (patches 0002, 0007)", None)
+    elif repack_kind == "CPU_REPACK":
+        mm = ("q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (patch 0010)", "vpdpbusd")
+    else:
+        mm = ("ggml generic q8_0 (vec_dot / llamafile tinyBLAS)", None)
+    f32_att = ("tiled f32, AVX-512 FMA (patches 0003, 0006)", "vfmadd231ps") if feats["avx512"] else ("ggml f32", None)
+    att = f32_att
+    if attention == "bf16":
+        att = {"amx": ("bf16 products on AMX-BF16 tiles (patch 0009)", None),
+               "avx512_bf16": ("bf16 products, AVX512-BF16 vdpbf16ps (patch 0011)", "vdpbf16ps")}.get(bf16_attention_kernel(), f32_att)
+    if feats["amx_usable"]:
+        # AMX tiles are not probed: on such a CPU every roofline keeps the numpy rate (as before
+        # issue 17), so its figures stay comparable with earlier runs
+        mm, att = (mm[0], None), (att[0], None)
+    return {"matmul": mm[0], "matmul_instr": mm[1], "attention": att[0], "attention_instr": att[1]}
 
 
 # ---------------------------------------------------------------------------- per-op profiler
@@ -439,10 +490,20 @@ class Bench:
             self.kv["kv_f16"] = KvSystem("kv_f16", self.bw["f16"], self.backend, args.cap_per_window)
         if "kv_q8" in sys_:
             self.kv["kv_q8"] = KvSystem("kv_q8", self.bw["q8_0"], self.backend, args.cap_per_window)
+        if "kv_q8_generic" in sys_:
+            self.bw["q8_0_generic"] = self.host.to_backend(self.backend, "q8_0", repack=False)
+            self.kv["kv_q8_generic"] = KvSystem("kv_q8_generic", self.bw["q8_0_generic"], self.backend, args.cap_per_window)
         if "kv_q8_attbf16" in sys_:
             self.kv["kv_q8_attbf16"] = KvSystem("kv_q8_attbf16", self.bw["q8_0"], self.backend, args.cap_per_window,
                                                 attention="bf16")
         self.oneshot = OneShotDrafter(self.bw["f16"], self.backend, CAP) if "oneshot" in self.systems else None
+        self.kernels = {}
+        if self.backend.is_cpu:
+            for sysname, bw_key, dt, att in (("kv_f16", "f16", "f16", "f32"), ("kv_q8", "q8_0", "q8_0", "f32"),
+                                             ("kv_q8_attbf16", "q8_0", "q8_0", "bf16"),
+                                             ("kv_q8_generic", "q8_0_generic", "q8_0", "f32")):
+                if sysname in self.kv:
+                    self.kernels[sysname] = kernels_used(dt, self.bw[bw_key].repack_kind, att)
         self.torch = {}
         for sysname in TORCH_SYSTEMS:
             if sysname in self.systems:
@@ -471,7 +532,7 @@ class Bench:
     def _runner(self, sysname: str, window: int):  # noqa: ANN202
         """(prepare, step): prepare is untimed, step is the timed draft step."""
         n = self.n_new
-        if sysname in KV_SYSTEMS:
+        if sysname in self.kv:
             ks = self.kv[sysname]
             state = {}
 
@@ -584,7 +645,7 @@ class Bench:
         return {"config": self.name, "shape": CONFIGS[self.name], "fc_in": cfg.fc_in, "n_params": self.host.n_params,
                 "n_new": self.n_new, "q_len": cfg.block_size, "a_step": a_step, "reps": self.reps,
                 "oneshot_reps": self.oneshot_reps, "cap": CAP, "cap_per_window": self.args.cap_per_window,
-                "weight_bytes": self.weight_bytes, "windows": windows}
+                "weight_bytes": self.weight_bytes, "windows": windows, "kernels": self.kernels}
 
 
 def weight_nbytes(cfg: DraftConfig, dtype: str) -> int:
@@ -629,18 +690,20 @@ def analyse(result: dict, machine: dict) -> None:
     for wres in result["windows"]:
         W = wres["window"]
         roof = {}
-        for dt, sysname in (("f16", "kv_f16"), ("q8_0", "kv_q8")):
+        for key, dt, sysname in (("f16", "f16", "kv_f16"), ("q8_0", "q8_0", "kv_q8"), ("q8_0_attbf16", "q8_0", "kv_q8_attbf16")):
             cost = cost_model(cfg, W, result["n_new"], result["weight_bytes"][dt], result["a_step"])
-            r = roofline_s(cost, machine["bandwidth_gbs"], machine["matmul_gflops"])
+            kern = result.get("kernels", {}).get(sysname, {})
+            r = roofline_s(cost, machine["bandwidth_gbs"], machine["matmul_gflops"], machine.get("peaks_gmacs"),
+                           kern.get("matmul_instr"), kern.get("attention_instr"))
             r.update(cost)
             m = med(wres, sysname)
             r["measured_over_roofline"] = ratio(m, r["ms"])
-            roof[dt] = r
+            roof[key] = r
         wres["roofline"] = roof
         kv_best = min([x for x in (med(wres, s) for s in KV_SYSTEMS) if x is not None], default=None)
         kv_best_f32 = min([x for x in (med(wres, "kv_f16"), med(wres, "kv_q8")) if x is not None], default=None)
         torch_best = min([x for x in (med(wres, "torch_fp32"), med(wres, "torch_bf16")) if x is not None], default=None)
-        attbf16_over_roof = ratio(med(wres, "kv_q8_attbf16"), roof["q8_0"]["ms"])
+        attbf16_over_roof = ratio(med(wres, "kv_q8_attbf16"), roof["q8_0_attbf16"]["ms"])
         wres["ratios"] = {
             "step_over_raw": ratio(med(wres, "kv_f16"), med(wres, "raw")),
             "oneshot_over_kv_f16": ratio(med(wres, "oneshot"), med(wres, "kv_f16")),
@@ -684,7 +747,7 @@ def targets(result: dict) -> list[dict]:
     vals = [w["ratios"]["kv_best_over_roofline"] for w in result["windows"]]
     if vals and all(v is not None for v in vals):
         add("roofline", max(vals), "<=", ROOF_MAX, name in ("small", "qwen3-8b"),
-            "max over windows of min(kv_f16 / roofline(f16), kv_q8[_attbf16] / roofline(q8_0))")
+            "max over windows of min(kv_f16 / roofline(f16), kv_q8 / roofline(q8_0), kv_q8_attbf16 / roofline(q8_0, bf16 attention))")
     for dt, sysname in (("f16", "kv_f16"), ("q8_0", "kv_q8")):
         vals = [w["ratios"][f"{sysname}_over_roofline"] for w in result["windows"]]
         if vals and all(v is not None for v in vals):
@@ -699,12 +762,21 @@ def print_report(results: list[dict], machine: dict, args: argparse.Namespace) -
       + (f", load average at start {load[0]:.1f}" if load else "") + f" | copy bandwidth {machine['bandwidth_gbs']:.1f} GB/s "
       f"(read+write) | f32 matmul {machine['matmul_gflops']:.0f} GFLOP/s | ggml {machine.get('ggml', '?')}"
       f" | torch {machine.get('torch', '-')}")
+    feats = machine.get("cpu_features", {})
+    p("cpu features ggml was built for: " + " ".join(k for k, v in feats.items() if v and k != "amx_usable")
+      + f" | AMX in use: {'yes' if feats.get('amx_usable') else 'no'}")
+    pk = machine.get("peaks_gmacs") or {}
+    if pk:
+        p(f"instruction peaks, {args.threads} threads (G multiply-adds/s, registers only): "
+          + ", ".join(f"{k} {fmt(v, '.0f')}" for k, v in pk.items()))
     for r in results:
         s = r["shape"]
         p(f"\n== {r['config']}: hidden {s['hidden']}, {s['n_layer']} layers, {s['n_head']}/{s['n_head_kv']} heads x "
           f"{s['head_dim']}, ffn {s['ffn']}, q_len {s['block_size']}, fc_in {r['fc_in']}, {r['n_params'] / 1e6:.1f} M params; "
           f"n_new {r['n_new']} rows/step, cap {'= window' if r['cap_per_window'] else r['cap']}, "
           f"{r['reps']} reps (oneshot {r['oneshot_reps']})")
+        for sysname, k in r.get("kernels", {}).items():
+            p(f"kernels {sysname}: matrix products: {k['matmul']}; attention: {k['attention']}")
         cols = [s for s in SYSTEMS if any(s in w["systems"] for w in r["windows"])]
         head = f"{'window':>6} | " + " | ".join(f"{c:^21}" for c in cols)
         p("latency of one draft step, ms: median [p10-p90]")
@@ -712,10 +784,12 @@ def print_report(results: list[dict], machine: dict, args: argparse.Namespace) -
         p("-" * len(head))
         for w in r["windows"]:
             p(f"{w['window']:>6} | " + " | ".join(f"{fmt_stat(w['systems'].get(c)):^21}" for c in cols))
-        p(f"\nratios and roofline, from the {STAT} step times (roofline = max(bytes/bandwidth, flops/matmul rate); "
-          "bound m=memory c=compute)")
+        srcs = sorted({rf["compute_rate_source"] for w in r["windows"] for rf in w["roofline"].values()})
+        p(f"\nratios and roofline, from the {STAT} step times (roofline = max(bytes/bandwidth, compute time); "
+          f"compute rates from: {', '.join(srcs)}; bound m=memory c=compute)")
         head2 = (f"{'window':>6} | {'step/raw':>8} | {'oneshot/kv':>10} | {'torch/kv':>8} | {'roof f16 ms':>12} | "
-                 f"{'kv_f16/roof':>11} | {'roof q8 ms':>12} | {'kv_q8/roof':>10} | {'GFLOP':>6} | {'MB read':>8} | err vs torch32")
+                 f"{'kv_f16/roof':>11} | {'roof q8 ms':>12} | {'kv_q8/roof':>10} | {'roof q8b ms':>12} | {'q8_attbf16/roof':>15} | "
+                 f"{'GFLOP':>6} | {'MB read':>8} | err vs torch32")
         p(head2)
         p("-" * len(head2))
         for w in r["windows"]:
@@ -724,7 +798,8 @@ def print_report(results: list[dict], machine: dict, args: argparse.Namespace) -
             p(f"{w['window']:>6} | {fmt(ra['step_over_raw']):>8} | {fmt(ra['oneshot_over_kv_f16'], '.1f'):>10} | "
               f"{fmt(ra['torch_best_over_kv_best']):>8} | {rf['f16']['ms']:>10.2f} {rf['f16']['bound'][0]} | "
               f"{fmt(ra['kv_f16_over_roofline']):>11} | {rf['q8_0']['ms']:>10.2f} {rf['q8_0']['bound'][0]} | "
-              f"{fmt(ra['kv_q8_over_roofline']):>10} | {rf['f16']['flops'] / 1e9:>6.2f} | {rf['f16']['bytes'] / 1e6:>8.1f} | {errs}")
+              f"{fmt(ra['kv_q8_over_roofline']):>10} | {rf['q8_0_attbf16']['ms']:>10.2f} {rf['q8_0_attbf16']['bound'][0]} | "
+              f"{fmt(ra['kv_q8_attbf16_over_roofline']):>15} | {rf['f16']['flops'] / 1e9:>6.2f} | {rf['f16']['bytes'] / 1e6:>8.1f} | {errs}")
         if any("profile" in w for w in r["windows"]):
             pth = next(pr["threads"] for w in r["windows"] for pr in w.get("profile", {}).values())
             p(f"\nper-op time of the step graph, {pth} thread(s) (each node computed alone, min over repetitions, "
@@ -806,6 +881,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "machine shared with other processes")
     ap.add_argument("--n-new", type=int, default=0, help="context rows committed per step (default q_len/2 + 1)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
+    ap.add_argument("--generic-q8", action="store_true",
+                    help="also time kv_q8_generic: q8_0 weights on ggml's generic kernels (no AMX / VNNI repacking)")
     ap.add_argument("--skip", default="", help=f"comma list of systems to leave out ({','.join(SYSTEMS)})")
     ap.add_argument("--cap-per-window", action="store_true",
                     help="kv caches built with cap=W per window, committed growing (default: cap 4096 + rewind)")
@@ -839,7 +916,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = skip - set(SYSTEMS)
     if bad:
         ap.error(f"unknown system(s) in --skip: {sorted(bad)}")
-    args.systems = [s for s in SYSTEMS if s not in skip and not (args.no_torch and s in TORCH_SYSTEMS)]
+    args.systems = [s for s in SYSTEMS if s not in skip and not (args.no_torch and s in TORCH_SYSTEMS)
+                    and (s not in OPTIONAL_SYSTEMS or args.generic_q8)]
     if args.systems and not args.no_torch and any(s in TORCH_SYSTEMS for s in args.systems):
         try:
             import _torch_ref  # noqa: F401
@@ -880,12 +958,18 @@ def main(argv: list[str] | None = None) -> int:
     log("probing memory bandwidth and matmul rate ...")
     bw = probe_bandwidth(args.threads)
     mm = probe_matmul(args.threads)
+    peaks = [probe_peaks(args.threads)] if args.backend == "cpu" else []
     results = []
     for name in args.config_list:
         results.append(Bench(name, args, args.systems).run())
         gc.collect()
     bw += probe_bandwidth(args.threads)
     mm += probe_matmul(args.threads)
+    if peaks:
+        peaks.append(probe_peaks(args.threads))
+        machine["peaks_gmacs"] = {k: (float(np.median([p[k] for p in peaks])) if all(p[k] for p in peaks) else None)
+                                  for k in peaks[0]}
+    machine["cpu_features"] = cpu_features()
     machine.update({"bandwidth_gbs": float(np.median(bw)), "bandwidth_samples_gbs": bw,
                     "matmul_gflops": float(np.median(mm)), "matmul_samples_gflops": mm})
     for r in results:

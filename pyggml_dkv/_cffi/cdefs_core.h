@@ -251,6 +251,12 @@ ggml_backend_reg_t ggml_backend_cpu_reg(void);
 /* what the CPU backend was compiled for (non-zero: yes) */
 int ggml_cpu_has_avx512(void);
 int ggml_cpu_has_f16c(void);
+int ggml_cpu_has_avx2(void);
+int ggml_cpu_has_fma(void);
+int ggml_cpu_has_avx_vnni(void);
+int ggml_cpu_has_avx512_vnni(void);
+int ggml_cpu_has_avx512_bf16(void);
+int ggml_cpu_has_amx_int8(void);
 
 /* ---- the build stamp compiled into the extension (_cffi/build.py; checked by pyggml_dkv._stamp) ---- */
 const char *pyggml_dkv_built_ggml_version(void);

@@ -70,7 +70,7 @@ class Drafter:
         backend: Backend | None = None,
         cap: int = 4096,
         ring_cap: int | None = None,
-        weight_dtype: str = "f16",
+        weight_dtype: str = "auto",
         cache_type: str = "f16",
         swa: str = "seed",
         ring_dtype: str = "f32",

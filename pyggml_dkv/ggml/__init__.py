@@ -29,21 +29,27 @@ from .buffer import Buffer
 from .capabilities import (
     AMX_PATCH,
     AMX_TYPES,
+    BF16_ATTENTION_AVX512_PATCH,
     BF16_ATTENTION_PATCH,
+    VNNI_PATCH,
     GGML_PREC_BF16,
     REPACKING_BUFFER_TYPES,
     BackendInfo,
     amx_available,
     amx_fits,
     available_backends,
+    bf16_attention_kernel,
     bf16_attention_supported,
     built_backends,
     built_with_patches,
     cpu_extra_buffer_types,
+    cpu_features,
     cuda_graph_stats,
     default_n_threads,
     list_devices,
     version,
+    vnni_available,
+    vnni_fits,
 )
 from .context import Context
 from .errors import BackendUnavailableError, GGMLError, RemoteBackendError
@@ -57,7 +63,8 @@ __all__ = [
     "AMX_PATCH", "AMX_TYPES", "BF16_ATTENTION_PATCH", "GGML_PREC_BF16", "MAX_DIMS", "REPACKING_BUFFER_TYPES",
     "TYPES", "TYPE_NAMES", "Backend", "BackendInfo", "BackendUnavailableError", "RemoteBackendError", "Buffer", "Context",
     "GGMLError", "Gallocr", "Graph", "Tensor", "amx_available", "amx_fits", "available_backends",
-    "bf16_attention_supported", "built_backends", "built_with_patches", "cpu_extra_buffer_types",
+    "bf16_attention_kernel", "bf16_attention_supported", "built_backends", "cpu_features", "vnni_available", "vnni_fits",
+    "BF16_ATTENTION_AVX512_PATCH", "VNNI_PATCH", "built_with_patches", "cpu_extra_buffer_types",
     "cuda_graph_stats", "default_n_threads", "dequantize", "ffi", "ggml_type", "lib", "list_devices",
     "live_objects", "quantize", "version",
 ]

@@ -155,11 +155,58 @@ def bf16_attention_supported() -> bool:
     return BF16_ATTENTION_PATCH in built_with_patches()
 
 
+# the same bf16 products with AVX512-BF16 dot products on CPUs without AMX-BF16 (vendor/patches/0011)
+BF16_ATTENTION_AVX512_PATCH = "0011-cpu-flash-attn-bf16-avx512.patch"
+
+
+def bf16_attention_kernel() -> str:
+    """What attention="bf16" (GGML_PREC_BF16) runs its two products on here: "amx" (AMX-BF16
+    tiles), "avx512_bf16" (vdpbf16ps, patch 0011) or "f32" (no bf16 products: the f32 kernel)."""
+    if not bf16_attention_supported():
+        return "f32"
+    no_amx = os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0")  # patch 0011 honours it in ggml too
+    try:
+        if "amx_bf16" in Path("/proc/cpuinfo").read_text().split() and not no_amx:
+            return "amx"
+    except OSError:
+        pass
+    if BF16_ATTENTION_AVX512_PATCH in built_with_patches() and lib.ggml_cpu_has_avx512_bf16():
+        return "avx512_bf16"
+    return "f32"
+
+
 def amx_available() -> bool:
     """True when ggml was built with (patched) AMX kernels and this CPU and kernel let us use them."""
     if os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0") or AMX_PATCH not in built_with_patches():
         return False
     return "AMX" in cpu_extra_buffer_types()
+
+
+# q8_0 weights repacked for an AVX512-VNNI kernel in ggml's CPU_REPACK buffer (vendor/patches/0010):
+# the fast q8_0 path of CPUs without AMX (AMD Zen 4/5, Intel Ice Lake .. Cascade Lake with VNNI).
+# Its layout groups 16 output rows, so matrices need out % 16 == 0 and in % 32 == 0.
+VNNI_PATCH = "0010-cpu-q8_0-avx512-vnni-repack.patch"
+
+
+def vnni_fits(type_name: str, ne: tuple[int, ...]) -> bool:
+    """Can the CPU_REPACK buffer hold this tensor for the VNNI q8_0 kernel (2-D q8_0, ne0 % 32, ne1 % 16)?"""
+    ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
+    return type_name == "q8_0" and ne4[0] % 32 == 0 and ne4[1] % 16 == 0 and ne4[2:] == (1, 1)
+
+
+def vnni_available() -> bool:
+    """True when ggml carries the VNNI q8_0 kernel (patch 0010) and was compiled for AVX512-VNNI."""
+    return (VNNI_PATCH in built_with_patches() and bool(lib.ggml_cpu_has_avx512_vnni())
+            and "CPU_REPACK" in cpu_extra_buffer_types())
+
+
+def cpu_features() -> dict[str, bool]:
+    """The SIMD features ggml's CPU backend was compiled for (GGML_NATIVE: those of the build machine),
+    and whether AMX is usable now (amx_available: also honours PYGGML_DKV_NO_AMX)."""
+    names = ("avx2", "fma", "f16c", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16", "amx_int8")
+    found = {n: bool(getattr(lib, f"ggml_cpu_has_{n}")()) for n in names}
+    found["amx_usable"] = amx_available()
+    return found
 
 
 def version() -> str:

@@ -152,7 +152,7 @@ class Tensor:
     def _check_partial_io(self, what: str) -> None:
         if self.is_repacked:
             raise GGMLError(f"cannot {what} tensor {self.name!r}: it is stored repacked for a CPU kernel "
-                            "(AMX buffer), so it can only be written whole with set(), never read back")
+                            "(AMX or CPU_REPACK buffer), so it can only be written whole with set(), never read back")
 
     def _to_bytes(self, array: Any) -> Any:
         """Convert `array` to this tensor's storage bytes, checking dtype and shape."""

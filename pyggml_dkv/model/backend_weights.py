@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .config import DraftConfig
-from ..ggml import Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, ggml_type, lib
+from ..ggml import (Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, ggml_type, lib,
+                    vnni_available, vnni_fits)
 from .tensor_names import is_norm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,9 +25,34 @@ WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0", "native")
 NATIVE_FALLBACK = "f16"
 
 
+def default_weight_dtype(backend: Backend) -> str:
+    """The weight type `dtype="auto"` picks for `backend`.
+
+    The rule: q8_0 on a CPU backend whose ggml has a fast int8 product for it (AMX tiles on Xeons
+    with AMX; our AVX512-VNNI kernel, vendor/patches/0010, on AMD Zen 4/5 and Intel CPUs with VNNI
+    but no AMX): half the bytes of f16 and int8 products (faster steps than f16 on both, see
+    benchmarks/README.md). f16 everywhere else: GPUs, and x86 CPUs with only AVX2, where ggml's
+    generic q8_0 path was barely faster than f16 for drafts far further from f32 weights.
+    """
+    if backend.is_cpu and (amx_available() or vnni_available()):
+        return "q8_0"
+    return "f16"
+
+
 def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: int) -> bool:
     """Can an (out, in) `dtype` matrix on `backend` use ggml's AMX kernels (q8_0 on AMX Xeons)?"""
     return backend.is_cpu and amx_fits(dtype, (in_features, out_features)) and amx_available()
+
+
+def repack_buffer(backend: Backend, dtype: str, out_features: int, in_features: int) -> str | None:
+    """The repacking buffer type an (out, in) `dtype` matrix that is only ever multiplied goes to:
+    "AMX" (ggml's AMX kernels), else "CPU_REPACK" (q8_0 on AVX512-VNNI, vendor/patches/0010),
+    else None (an ordinary buffer)."""
+    if amx_eligible(backend, dtype, out_features, in_features):
+        return "AMX"
+    if backend.is_cpu and vnni_fits(dtype, (in_features, out_features)) and vnni_available():
+        return "CPU_REPACK"
+    return None
 
 
 class BackendWeights:
@@ -36,18 +62,23 @@ class BackendWeights:
     `tensors[name]` is the ggml Tensor of checkpoint tensor `name`; `host` the DraftWeights
     they came from. Close it (or use `with`) to free the buffers.
 
+    `dtype="auto"` (default) picks by the backend and CPU: `default_weight_dtype`.
+
     With `repack` (default) and q8_0 weights on a CPU with AMX, the matrices go to ggml's AMX
-    buffer, which lays them out for its int8 tile kernels as they are uploaded (much faster
-    matrix products than the generic q8_0 path: benchmarks/README.md). Those tensors cannot be read back
-    (`Tensor.numpy()` raises); `host` still has the values.
+    buffer, which lays them out for its int8 tile kernels as they are uploaded; on a CPU without
+    AMX but with AVX512-VNNI, to the CPU_REPACK buffer for the VNNI kernel of vendor/patches/0010
+    (both much faster than the generic q8_0 path: benchmarks/README.md). Those tensors cannot be
+    read back (`Tensor.numpy()` raises); `host` still has the values.
     """
 
-    def __init__(self, weights: "DraftWeights", backend: Backend, dtype: str = "f16", repack: bool = True) -> None:
+    def __init__(self, weights: "DraftWeights", backend: Backend, dtype: str = "auto", repack: bool = True) -> None:
         # what is needed of DraftWeights (checked by duck type: weights.py imports this module)
         if not isinstance(weights, Mapping) or not isinstance(getattr(weights, "cfg", None), DraftConfig):
             raise TypeError(f"expected DraftWeights, got {type(weights).__name__}")
+        if dtype == "auto":
+            dtype = default_weight_dtype(backend)
         if dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+            raise ValueError(f"weight dtype must be 'auto' or one of {WEIGHT_DTYPES}, got {dtype!r}")
         if not isinstance(repack, bool):
             raise TypeError(f"repack must be a bool, got {type(repack).__name__}")
         cfg = weights.cfg
@@ -63,7 +94,12 @@ class BackendWeights:
         self.repack = repack
         # every weight matrix is only ever the matrix of a mul_mat, so all that fit may be repacked
         types = {n: self._matrix_type(weights, n, dtype) for n, a in weights.items() if a.ndim == 2 and not is_norm(n)}
-        repacked = {n for n, a in weights.items() if repack and n in types and amx_eligible(backend, types[n], *a.shape)}
+        # one repacking buffer per drafter: AMX if any matrix fits it (those that do not stay in the
+        # ordinary buffer), else CPU_REPACK (VNNI) if any fits that
+        kinds = {n: repack_buffer(backend, types[n], *weights[n].shape) for n in types} if repack else {}
+        found = set(kinds.values())
+        self.repack_kind = "AMX" if "AMX" in found else "CPU_REPACK" if "CPU_REPACK" in found else None
+        repacked = {n for n, k in kinds.items() if k is not None and k == self.repack_kind}
         self.ctx = Context(n_tensors=len(weights) - len(repacked) + 1)
         self.repacked_ctx = Context(n_tensors=len(repacked) + 1)
         self.tensors: dict[str, Tensor] = {}
@@ -76,7 +112,8 @@ class BackendWeights:
         if len(repacked) < len(weights):
             self.buffers.append(Buffer.alloc_ctx_tensors(self.ctx, backend))
         if repacked:
-            self.buffers.append(Buffer.alloc_ctx_tensors_from_buft(self.repacked_ctx, cpu_extra_buffer_types()["AMX"], backend))
+            self.buffers.append(Buffer.alloc_ctx_tensors_from_buft(self.repacked_ctx, cpu_extra_buffer_types()[self.repack_kind],
+                                                                   backend))
         for buf in self.buffers:
             buf.set_usage_weights()
         for name, arr in weights.items():
@@ -86,8 +123,8 @@ class BackendWeights:
             else:
                 self.tensors[name].set(arr)
         self.n_repacked = len(repacked)
-        log.debug("uploaded %d tensors (%.1f MiB, %s, %d repacked for AMX) to %s",
-                  len(weights), self.nbytes / 2**20, dtype, self.n_repacked, backend.spec)
+        log.debug("uploaded %d tensors (%.1f MiB, %s, %d repacked for %s) to %s",
+                  len(weights), self.nbytes / 2**20, dtype, self.n_repacked, self.repack_kind, backend.spec)
 
     @staticmethod
     def _matrix_type(weights: DraftWeights, name: str, dtype: str) -> str:
@@ -128,7 +165,7 @@ def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,
     """Upload one (out, in) matrix (e.g. an lm_head or token embedding) into its own buffer.
 
     `matmul_only`: the matrix is only ever multiplied (an lm_head, not an embedding table read
-    with get_rows), so it may be repacked for AMX like BackendWeights' matrices.
+    with get_rows), so it may be repacked (AMX, VNNI) like BackendWeights' matrices.
     """
     arr = np.asarray(array)
     if arr.ndim != 2:
@@ -143,8 +180,9 @@ def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,
         dtype = "f16"
     ctx = Context(n_tensors=1)
     t = ctx.new_tensor(dtype, arr.shape[1], arr.shape[0], name=name)
-    if matmul_only and amx_eligible(backend, dtype, *arr.shape):
-        buf = Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()["AMX"], backend)
+    kind = repack_buffer(backend, dtype, *arr.shape) if matmul_only else None
+    if kind is not None:
+        buf = Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], backend)
     else:
         buf = Buffer.alloc_ctx_tensors(ctx, backend)
     buf.set_usage_weights()

@@ -127,7 +127,7 @@ class DraftWeights(Mapping[str, np.ndarray]):
         save_checkpoint(self, path, dtype=dtype)
         return None
 
-    def to_backend(self, backend: "Backend", dtype: str = "f16", repack: bool = True) -> "BackendWeights":
+    def to_backend(self, backend: "Backend", dtype: str = "auto", repack: bool = True) -> "BackendWeights":
         """Upload once to the backend. Matrices in `dtype`, norms stay f32 (see BackendWeights for `repack`)."""
         # imported here, not at the top: the model layer must import without the compiled ggml
         # extension (the numpy reference needs only configs and weights)

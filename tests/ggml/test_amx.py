@@ -12,9 +12,9 @@ from tests.child import run_in_child
 
 from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter
 from pyggml_dkv import reference as R
-from pyggml_dkv.model.backend_weights import upload_matrix
-from pyggml_dkv.ggml import Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types
 from pyggml_dkv.common.numeric import relative_error
+from pyggml_dkv.ggml import Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types, vnni_available
+from pyggml_dkv.model.backend_weights import upload_matrix
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU / kernel offers no AMX (or PYGGML_DKV_NO_AMX is set)")
 
@@ -42,7 +42,9 @@ def test_no_amx_environment_switch(cpu, monkeypatch):
     monkeypatch.setenv("PYGGML_DKV_NO_AMX", "1")
     assert not amx_available()
     with _weights().to_backend(cpu, "q8_0") as bw:
-        assert bw.n_repacked == 0
+        # no AMX buffer; the VNNI kernel (patch 0010) takes q8_0 where ggml was compiled for it
+        assert bw.repack_kind == ("CPU_REPACK" if vnni_available() else None)
+        assert "AMX" not in {b.name for b in bw.buffers}
 
 
 @needs_amx
@@ -193,6 +195,8 @@ def test_other_repacking_buffer_types_are_refused(cpu):
 
     if "CPU_REPACK" not in cpu_extra_buffer_types():
         pytest.skip("no CPU_REPACK buffer type in this build")
+    if vnni_available():
+        pytest.skip("CPU_REPACK takes q8_0 for the VNNI kernel here (tests/ggml/test_vnni.py checks what it refuses)")
     with Context(n_tensors=1) as ctx:
         ctx.new_tensor("q8_0", 64, 64, name="w")
         with pytest.raises(GGMLError, match="not supported"):

@@ -206,8 +206,8 @@ needs_bf16_attention = pytest.mark.skipif(not pyggml_dkv.bf16_attention_supporte
 @needs_bf16_attention
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("d,n_q,n_kv", [(64, 70, 267), (64, 9, 267), (128, 20, 150), (64, 64, 4128)])
-def test_flash_attn_ext_bf16_products(rng, cpu_has_amx_bf16, n_threads, d, n_q, n_kv):
-    """prec_bf16 (vendor/patches/0009): on CPUs with AMX-BF16 both products take bf16 inputs with
+def test_flash_attn_ext_bf16_products(rng, cpu_runs_bf16_attention, n_threads, d, n_q, n_kv):
+    """prec_bf16 (vendor/patches/0009, 0011): on CPUs with AMX-BF16 or AVX512-BF16 both products take bf16 inputs with
     f32 sums, so the result is within bf16 rounding of the reference (and not the f32 result); the
     masking rules stay exact: keys no row may see hold NaN and must not reach the output, a row
     that sees one key returns that key's value (to bf16 precision)."""
@@ -234,9 +234,9 @@ def test_flash_attn_ext_bf16_products(rng, cpu_has_amx_bf16, n_threads, d, n_q, 
     assert np.isfinite(fast).all()
     assert relative_error(exact[0], want) < 2e-6
     err = relative_error(fast[0], want)
-    if cpu_has_amx_bf16:
+    if cpu_runs_bf16_attention:
         assert 1e-4 < err < 1.5e-2, err  # bf16 products really ran, at bf16 precision
-    else:  # no AMX-BF16: the f32 kernel
+    else:  # no AMX-BF16 / AVX512-BF16: the f32 kernel
         np.testing.assert_array_equal(fast, exact)
     np.testing.assert_allclose(fast[0, 3], v[n_kv - 1], rtol=1e-2, atol=1e-2)
 

@@ -27,7 +27,9 @@ def run(backend: Backend, w: DraftWeights, feats: np.ndarray, dtype: str, n_step
     cfg = w.cfg
     ring = FeatureRing(2 * CAP, cfg.fc_in)
     outs = []
-    with w.to_backend(backend, dtype) as bw, DraftKvCache(bw, backend, CAP, cache_type="f16") as c:
+    # the server's buffers are plain ggml buffers (no AMX / VNNI repacking): the local side keeps
+    # its weights plain too, so both run the very same kernels
+    with w.to_backend(backend, dtype, repack=False) as bw, DraftKvCache(bw, backend, CAP, cache_type="f16") as c:
         fold = c.fold_gqa
         written = 0
         for committed, noise in trajectory(cfg, n_steps):

@@ -1,0 +1,142 @@
+"""Measured peak rate of the SIMD instructions the CPU kernels use (for bench_step.py's roofline).
+
+The roofline of a step should be the time the kernels' own instructions need, not numpy's f32 SGEMM
+rate: on a CPU without AMX the q8_0 products run on AVX512-VNNI (vpdpbusd: 64 int8 multiply-adds),
+attention on f32 FMAs (vfmadd231ps: 16) or, with attention="bf16", on AVX512-BF16 (vdpbf16ps: 32).
+Each probe runs 12 independent accumulator chains of one instruction on registers only (no memory
+traffic, latency hidden), on `threads` threads at once, and reports multiply-adds per second summed
+over the threads: the ceiling a kernel made of that instruction can reach on this machine now.
+
+The probes are compiled at first use with cffi and the system C compiler (as the package itself is);
+where that fails, or the CPU lacks AVX-512, they return None and bench_step.py falls back to the
+numpy matmul rate.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+_SRC = r"""
+#include <immintrin.h>
+#define CHAINS(T) T a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11
+#define KEEP __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11))
+#define STEP(OP) a0 = OP(a0); a1 = OP(a1); a2 = OP(a2); a3 = OP(a3); a4 = OP(a4); a5 = OP(a5); \
+                 a6 = OP(a6); a7 = OP(a7); a8 = OP(a8); a9 = OP(a9); a10 = OP(a10); a11 = OP(a11); KEEP
+
+__attribute__((target("avx512f,avx512vnni")))
+static int probe_vnni_impl(long n) {
+    CHAINS(__m512i);
+    const __m512i b = _mm512_set1_epi32(0x01010101), c = _mm512_set1_epi32(0x01020304);
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = _mm512_setzero_si512();
+#define OPV(x) _mm512_dpbusd_epi32(x, b, c)
+    for (long i = 0; i < n; i++) { STEP(OPV); }
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a11));
+}
+
+__attribute__((target("avx512f")))
+static float probe_fma_impl(long n) {
+    CHAINS(__m512);
+    const __m512 b = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = _mm512_set1_ps(1.0f);
+#define OPF(x) _mm512_fmadd_ps(x, b, c)
+    for (long i = 0; i < n; i++) { STEP(OPF); }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a11));
+}
+
+__attribute__((target("avx512f,avx512bf16")))
+static float probe_bf16_impl(long n) {
+    CHAINS(__m512);
+    const __m512bh b = (__m512bh) _mm512_set1_epi32(0x3f803f80), c = (__m512bh) _mm512_set1_epi32(0x33d633d6);
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = _mm512_set1_ps(1.0f);
+#define OPB(x) _mm512_dpbf16_ps(x, b, c)
+    for (long i = 0; i < n; i++) { STEP(OPB); }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a11));
+}
+
+int probe_vnni(long n) { return probe_vnni_impl(n); }
+float probe_fma(long n) { return probe_fma_impl(n); }
+float probe_bf16(long n) { return probe_bf16_impl(n); }
+"""
+
+# instruction -> (C function, multiply-adds per instruction, /proc/cpuinfo flags it needs)
+PROBES = {
+    "vpdpbusd": ("probe_vnni", 64, ("avx512f", "avx512_vnni")),
+    "vfmadd231ps": ("probe_fma", 16, ("avx512f",)),
+    "vdpbf16ps": ("probe_bf16", 32, ("avx512f", "avx512_bf16")),
+}
+
+_lib = None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _load():  # noqa: ANN202
+    global _lib
+    if _lib is None:
+        from cffi import FFI
+
+        ffi = FFI()
+        ffi.cdef("int probe_vnni(long n); float probe_fma(long n); float probe_bf16(long n);")
+        ffi.set_source("_pyggml_dkv_peak_probe", _SRC, extra_compile_args=["-O2"])
+        tmp = tempfile.mkdtemp(prefix="peak_probe_")
+        path = ffi.compile(tmpdir=tmp, verbose=False)
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("_pyggml_dkv_peak_probe", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        _lib = mod.lib
+    return _lib
+
+
+def probe_peaks(threads: int, trials: int = 3, seconds: float = 0.05) -> dict[str, float | None]:
+    """instruction -> best of `trials` rates in G multiply-adds / s over `threads` threads (None:
+    the CPU lacks the instruction or the probe could not be built)."""
+    flags = _cpu_flags()
+    out: dict[str, float | None] = {name: None for name in PROBES}
+    try:
+        lib = _load()
+    except Exception:  # noqa: BLE001 - no compiler / cffi: the caller falls back
+        return out
+    for name, (fn, macs, need) in PROBES.items():
+        if not all(f in flags for f in need):
+            continue
+        func = getattr(lib, fn)
+        n = 1000
+        while True:  # size one call to ~`seconds` on one thread
+            t = time.perf_counter()
+            func(n)
+            if time.perf_counter() - t > seconds / 4 or n > 10**9:
+                break
+            n *= 4
+        best = 0.0
+        for _ in range(trials):
+            # cffi releases the GIL during the call: the threads run concurrently
+            ts = [threading.Thread(target=func, args=(n,)) for _ in range(threads)]
+            t = time.perf_counter()
+            for th in ts:
+                th.start()
+            for th in ts:
+                th.join()
+            best = max(best, threads * n * 12 * macs / (time.perf_counter() - t) / 1e9)
+        out[name] = best
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    th = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    for k, v in probe_peaks(th).items():
+        print(f"{k:12s} {'-' if v is None else f'{v:.1f} G multiply-adds/s'} ({th} threads)")

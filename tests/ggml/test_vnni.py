@@ -1,0 +1,203 @@
+"""q8_0 weights repacked for the AVX512-VNNI kernel (vendor/patches/0010, CPUs without AMX).
+
+The kernel tests run where ggml carries the patch and was compiled for AVX512-VNNI (AMD Zen 4/5,
+Intel Ice Lake / Cascade Lake and later); the default-weight-type rule and the buffer checks run
+everywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing
+from pyggml_dkv import reference as R
+from pyggml_dkv.model.backend_weights import BackendWeights, default_weight_dtype, repack_buffer, upload_matrix
+from pyggml_dkv.ggml import (Backend, Buffer, Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types,
+                             cpu_features, vnni_available, vnni_fits)
+from pyggml_dkv.common.numeric import relative_error
+
+# on a CPU with AMX the AMX buffer wins; PYGGML_DKV_NO_AMX=1 lets these tests run there too
+needs_vnni = pytest.mark.skipif(not vnni_available() or amx_available(),
+                                reason="no VNNI q8_0 kernel here (no patch 0010 / AVX512-VNNI), or AMX takes q8_0")
+
+CFG = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8,
+                  n_target_layers=2, vocab=96)
+
+
+def _q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q8_0 of each row in 32-value blocks as the kernel quantizes: (f16 scales as f32, int8 values),
+    values rounded to nearest even (ggml's vectorised quantizer; ties are measure-zero here)."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = np.abs(blocks).max(-1) / np.float32(127)
+    inv = np.where(d > 0, 1 / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inv[..., None]).astype(np.int32)
+    return d.astype(np.float16).astype(np.float32), q
+
+
+def _exact(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The exact q8_0 x q8_0 arithmetic in float64: int8 dot products per block times both scales."""
+    dw, qw = _q8_0(w)
+    dx, qx = _q8_0(x)
+    return np.einsum("rb,ob,rbi,obi->ro", dx.astype(np.float64), dw.astype(np.float64),
+                     qx.astype(np.float64), qw.astype(np.float64))
+
+
+def _mul_mat(backend: Backend, wt, x: np.ndarray) -> np.ndarray:
+    with Context(n_tensors=1) as ctx, Context(n_tensors=4, graph_size=4) as g:
+        xt = ctx.new_tensor("f32", *reversed(x.shape))
+        with Buffer.alloc_ctx_tensors(ctx, backend):
+            xt.set(x)
+            graph = Graph(g, 4)
+            out = g.mul_mat(wt, xt)
+            graph.expand(out)
+            with Gallocr(backend) as galloc:
+                galloc.alloc_graph(graph)
+                graph.compute(backend)
+                return out.numpy()
+
+
+@needs_vnni
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_vnni_product_at_every_row_count(n_threads):
+    """Row counts around the kernel's tiles (16, 8, 4, 2, 1 rows per pass: 16 noise rows, 34 fold-in
+    rows = 16 + 16 + 2) and a group count that does not split evenly over the threads, against the
+    exact q8_0 arithmetic. The only difference allowed is f32 rounding of the per-block sums."""
+    rng = np.random.default_rng(7)
+    n_out, k = 80, 352  # 5 groups of 16 output rows, 11 K blocks
+    w = rng.standard_normal((n_out, k)).astype(np.float32)
+    w[3, :32] = 0  # an all-zero block (scale 0)
+    with Backend("cpu", n_threads=n_threads) as backend:
+        wt, wbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=True)
+        assert wt.is_repacked and wbuf.name == "CPU_REPACK"
+        for rows in (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 34, 40, 64, 100):
+            x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)
+            x[0, 32:64] = 0
+            got = _mul_mat(backend, wt, x)
+            assert got.shape == (rows, n_out)
+            assert relative_error(got, _exact(w, x)) < 1e-6, (rows, relative_error(got, _exact(w, x)))
+        wbuf.close()
+
+
+@needs_vnni
+def test_vnni_matches_generic_q8_0_bit_for_bit_on_integer_data():
+    """Values that quantize exactly (small integers, scale 1/127 * amax) make every f32 sum exact, so
+    the VNNI kernel and ggml's generic q8_0 path must agree to the bit, including the extreme weight
+    values -127 / +127 (the kernel stores weights + 128 as unsigned bytes)."""
+    rng = np.random.default_rng(11)
+    n_out, k = 32, 256
+    w = rng.integers(-127, 128, (n_out, k)).astype(np.float32)
+    w[:, ::32] = 127  # every block's amax is 127: scale exactly 1
+    w[5, 1::32] = -127
+    x = rng.integers(-127, 128, (19, k)).astype(np.float32)
+    x[:, ::32] = -127
+    with Backend("cpu", n_threads=2) as backend:
+        wt, wbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=True)
+        plain, pbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=False)
+        assert wt.is_repacked and not plain.is_repacked
+        got, ref = _mul_mat(backend, wt, x), _mul_mat(backend, plain, x)
+        np.testing.assert_array_equal(got, ref)
+        np.testing.assert_array_equal(got, x.astype(np.float64) @ w.T.astype(np.float64))
+        wbuf.close()
+        pbuf.close()
+
+
+@needs_vnni
+def test_vnni_weights_step_like_generic_q8_0_and_the_reference(cpu):
+    """A whole cache step with VNNI-repacked weights against the same weights on ggml's generic q8_0
+    path and the float reference."""
+    w = DraftWeights.random(CFG, seed=5)
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((40, CFG.fc_in)).astype(np.float32)
+    noise = rng.standard_normal((CFG.block_size, CFG.hidden)).astype(np.float32)
+    outs = {}
+    for repack in (True, False):
+        with BackendWeights(w, cpu, "q8_0", repack=repack) as bw:
+            assert (bw.n_repacked > 0) == repack and bw.repack_kind == ("CPU_REPACK" if repack else None)
+            with DraftKvCache(bw, cpu, cap=64) as cache:
+                ring = FeatureRing(64, CFG.fc_in)
+                ring.append(feats)
+                outs[repack] = cache.step(ring, 40, noise)
+    assert 0 < relative_error(outs[True], outs[False]) < 1e-2  # > 0: two different kernels really ran
+    assert relative_error(outs[True], R.reference_step(w, feats, 40, 64, noise)) < 3e-2
+
+
+@needs_vnni
+@pytest.mark.parametrize("ty, ne", [("q8_0", (64, 40)), ("q8_0", (32, 24)), ("q8_0", (64, 32, 2)), ("f16", (32, 32)),
+                                    ("q4_0", (64, 64))])
+def test_cpu_repack_buffer_refuses_tensors_the_kernel_cannot_hold(cpu, ty, ne):
+    """Anything else would crash ggml on upload (no layout) or compute on a layout nobody tested."""
+    assert not vnni_fits(ty, ne)
+    with Context(n_tensors=1) as ctx:
+        ctx.new_tensor(ty, *ne, name="w")
+        with pytest.raises(ValueError, match="CPU_REPACK buffer"):
+            Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()["CPU_REPACK"], cpu)
+
+
+@needs_vnni
+def test_vnni_repacked_tensor_is_write_whole_and_mul_mat_only(cpu):
+    table, buf = upload_matrix(cpu, np.ones((64, 64), np.float32), "q8_0", "emb", matmul_only=True)
+    assert table.is_repacked
+    with pytest.raises(GGMLError, match="repacked"):
+        table.numpy()
+    with pytest.raises(GGMLError, match="repacked"):
+        table.fill(0)
+    with buf, Context(n_tensors=8) as ids_ctx, Context(n_tensors=32, graph_size=32) as g:
+        rows = ids_ctx.new_tensor("i32", 2)
+        graph = Graph(g, 32)
+        graph.expand(g.get_rows(table, rows))
+        with Gallocr(cpu) as galloc, pytest.raises(GGMLError, match="emb.*repacked for AMX or VNNI"):
+            galloc.alloc_graph(graph)
+
+
+def test_default_weight_type_follows_the_cpu(cpu):
+    """q8_0 where ggml has a fast int8 kernel for it (AMX, or VNNI with patch 0010), f16 elsewhere;
+    an explicit dtype always wins."""
+    want = "q8_0" if (amx_available() or vnni_available()) else "f16"
+    assert default_weight_dtype(cpu) == want
+    w = DraftWeights.random(CFG, seed=2)
+    with BackendWeights(w, cpu) as bw:
+        assert bw.dtype == want
+    with BackendWeights(w, cpu, "f16") as bw:
+        assert bw.dtype == "f16" and bw.n_repacked == 0
+    with pytest.raises(ValueError, match="weight dtype"):
+        BackendWeights(w, cpu, "int4")
+
+
+def test_no_amx_switch_leaves_q8_0_on_vnni_where_it_can(cpu, monkeypatch):
+    """PYGGML_DKV_NO_AMX=1 on an AMX Xeon must give the path of CPUs without AMX: VNNI if compiled."""
+    import pyggml_dkv.ggml as G
+    import pyggml_dkv.ggml.capabilities as C
+
+    monkeypatch.setenv("PYGGML_DKV_NO_AMX", "1")
+    assert not amx_available()
+    want = "CPU_REPACK" if vnni_available() else None
+    assert repack_buffer(cpu, "q8_0", 64, 64) == want
+    assert G.bf16_attention_kernel() != "amx"  # ggml reads the same switch (patch 0011)
+    assert repack_buffer(cpu, "f16", 64, 64) is None
+    monkeypatch.setattr(C, "built_with_patches", lambda: ())  # where vnni_available() looks it up
+    assert not G.vnni_available() and repack_buffer(cpu, "q8_0", 64, 64) is None
+
+
+def test_cpu_features_are_reported():
+    feats = cpu_features()
+    assert set(feats) >= {"avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_usable"}
+    assert all(isinstance(v, bool) for v in feats.values())
+    if feats["avx512_vnni"]:
+        assert feats["avx512"]
+
+
+@needs_vnni
+def test_vnni_non_finite_activations_give_nan_rows(cpu):
+    """A NaN or inf among a row's values makes that row's outputs NaN (as f32 arithmetic would; a
+    vector max would silently drop the NaN and return finite garbage); other rows are unaffected."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((32, 96)).astype(np.float32)
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    x[0, 5], x[2, 70], x[3, 40] = np.nan, np.inf, -np.inf
+    wt, buf = upload_matrix(cpu, w, "q8_0", "w", matmul_only=True)
+    with buf:
+        got = _mul_mat(cpu, wt, x)
+    assert np.isnan(got[[0, 2, 3]]).all()
+    ok = [1, 4]
+    assert relative_error(got[ok], _exact(w, x[ok])) < 1e-6
