@@ -1,0 +1,294 @@
+"""The systems the step benchmark times side by side: the ring cache (per weight type and attention),
+the raw graph, the one-shot recompute graph, and the PyTorch dflash model; and the Bench that
+interleaves them per window."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+
+import numpy as np
+
+from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter
+from pyggml_dkv.common.numeric import relative_error
+from pyggml_dkv.ggml import bf16_attention_supported
+from pyggml_dkv.model.tensor_names import expected_shapes, is_norm
+
+from step_config import CAP, CONFIGS, DEFAULT_ONESHOT_REPS, DEFAULT_REPS, log, TORCH_SYSTEMS
+from step_probes import kernels_used, OpProfiler
+
+
+# ---------------------------------------------------------------------------- inputs
+def random_weights(cfg: DraftConfig, seed: int = 0) -> DraftWeights:
+    return DraftWeights.random(cfg, seed)  # float32 draws in place: fine for qwen3-8b's ~1e9 parameters
+
+
+def stats(samples_s: list[float]) -> dict:
+    a = np.asarray(samples_s, dtype=np.float64) * 1e3
+    if a.size == 0:
+        return {"n": 0}
+    return {"n": int(a.size), "median_ms": float(np.median(a)), "p10_ms": float(np.percentile(a, 10)),
+            "p90_ms": float(np.percentile(a, 90)), "min_ms": float(a.min()), "samples_ms": [round(float(x), 4) for x in a]}
+
+
+# ---------------------------------------------------------------------------- systems
+def no_grad():  # noqa: ANN201
+    """torch.inference_mode() when torch is loaded (the torch steps run under it anyway), else nothing."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].inference_mode()
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def rewind_cache(cache: DraftKvCache, pos: int) -> None:
+    """Drop positions >= pos from the cache (DraftKvCache.rewind: no device work); the next
+    begin_step folds them in again through the step graph's fold-in, as in a steady-state step."""
+    if cache.next_pos > pos:
+        cache.rewind(pos)
+
+
+class KvSystem:
+    """A DraftKvCache kept at window W; `prepare` (untimed) sets it up for the next step."""
+
+    def __init__(self, name: str, weights, backend, cap_per_window: bool, attention: str = "f32") -> None:  # noqa: ANN001
+        self.name, self.weights, self.backend = name, weights, backend
+        self.cap_per_window, self.attention = cap_per_window, attention
+        self.cache: DraftKvCache | None = None if cap_per_window else DraftKvCache(weights, backend, CAP, attention=attention)
+        self.committed = 0
+
+    def start_window(self, ring: FeatureRing, window: int, noise: np.ndarray) -> np.ndarray:
+        """Bring the cache to committed = window (bulk-appending what is missing); returns that step's output."""
+        if self.cap_per_window:
+            if self.cache is not None:
+                self.cache.close()
+            self.cache = DraftKvCache(self.weights, self.backend, window, attention=self.attention)
+        self.committed = window
+        return self.cache.step(ring, window, noise)
+
+    def prepare(self, n_new: int) -> int:
+        if self.cap_per_window:
+            self.committed += n_new
+        else:
+            rewind_cache(self.cache, self.committed - n_new)
+        return self.committed
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
+
+class Bench:
+    def __init__(self, name: str, args: argparse.Namespace, systems: list[str]) -> None:
+        self.name = name
+        self.args = args
+        self.cfg = DraftConfig(**CONFIGS[name])
+        self.systems = systems
+        self.backend = Backend("cpu", n_threads=args.threads) if args.backend == "cpu" else Backend(args.backend)
+        self.n_new = args.n_new or self.cfg.block_size // 2 + 1
+        self.windows = [w for w in args.windows if w <= CAP]
+        self.reps = args.reps or DEFAULT_REPS[name]
+        self.oneshot_reps = min(args.oneshot_reps or DEFAULT_ONESHOT_REPS[name], self.reps)
+        self.weight_bytes = {dt: weight_nbytes(self.cfg, dt) for dt in ("f16", "q8_0")}
+
+    # -- setup
+    def setup(self) -> None:
+        cfg, args = self.cfg, self.args
+        t0 = time.perf_counter()
+        self.host = random_weights(cfg, seed=0)
+        log(f"[{self.name}] random weights: {self.host.n_params / 1e6:.1f} M parameters ({time.perf_counter() - t0:.1f} s)")
+        max_w = max(self.windows)
+        steps = (self.reps + 8) * len(self.windows) if args.cap_per_window else 0
+        self.n_pos = max_w + steps * self.n_new + cfg.block_size + 64
+        rng = np.random.default_rng(1)
+        self.feats = rng.standard_normal((self.n_pos, cfg.fc_in), dtype=np.float32)
+        self.noise = rng.standard_normal((cfg.block_size, cfg.hidden), dtype=np.float32)
+        self.ring = FeatureRing(self.n_pos, cfg.fc_in)
+        self.ring.append(self.feats)
+        self.bw = {}
+        self.kv: dict[str, KvSystem] = {}
+        sys_ = set(self.systems)
+        if "kv_q8_attbf16" in sys_ and not bf16_attention_supported():
+            log(f"[{self.name}] kv_q8_attbf16 left out: ggml was built without vendor/patches/0009")
+            self.systems = [s for s in self.systems if s != "kv_q8_attbf16"]
+            sys_.discard("kv_q8_attbf16")
+        need = {"f16": bool(sys_ & {"kv_f16", "raw", "oneshot"}), "q8_0": bool(sys_ & {"kv_q8", "kv_q8_attbf16"})}
+        for dtype in ("f16", "q8_0"):
+            if need[dtype]:
+                t0 = time.perf_counter()
+                self.bw[dtype] = self.host.to_backend(self.backend, dtype)
+                log(f"[{self.name}] {dtype} weights uploaded: {self.bw[dtype].nbytes / 2**20:.0f} MiB ({time.perf_counter() - t0:.1f} s)")
+        if sys_ & {"kv_f16", "raw"}:  # raw times kv_f16's step graph
+            self.kv["kv_f16"] = KvSystem("kv_f16", self.bw["f16"], self.backend, args.cap_per_window)
+        if "kv_q8" in sys_:
+            self.kv["kv_q8"] = KvSystem("kv_q8", self.bw["q8_0"], self.backend, args.cap_per_window)
+        if "kv_q8_generic" in sys_:
+            self.bw["q8_0_generic"] = self.host.to_backend(self.backend, "q8_0", repack=False)
+            self.kv["kv_q8_generic"] = KvSystem("kv_q8_generic", self.bw["q8_0_generic"], self.backend, args.cap_per_window)
+        if "kv_q8_attbf16" in sys_:
+            self.kv["kv_q8_attbf16"] = KvSystem("kv_q8_attbf16", self.bw["q8_0"], self.backend, args.cap_per_window,
+                                                attention="bf16")
+        self.oneshot = OneShotDrafter(self.bw["f16"], self.backend, CAP) if "oneshot" in self.systems else None
+        self.kernels = {}
+        if self.backend.is_cpu:
+            for sysname, bw_key, dt, att in (("kv_f16", "f16", "f16", "f32"), ("kv_q8", "q8_0", "q8_0", "f32"),
+                                             ("kv_q8_attbf16", "q8_0", "q8_0", "bf16"),
+                                             ("kv_q8_generic", "q8_0_generic", "q8_0", "f32")):
+                if sysname in self.kv:
+                    self.kernels[sysname] = kernels_used(dt, self.bw[bw_key].repack_kind, att)
+        self.torch = {}
+        for sysname in TORCH_SYSTEMS:
+            if sysname in self.systems:
+                import _torch_ref as TR
+
+                t0 = time.perf_counter()
+                dtype = sysname.split("_")[1]
+                model = TR.build_model(self.host, dtype)
+                drafter = TR.TorchDrafter(model, dtype, self.feats)
+                self.torch[sysname] = (drafter, drafter.noise(self.noise))
+                log(f"[{self.name}] torch {dtype} model built ({time.perf_counter() - t0:.1f} s)")
+
+    def close(self) -> None:
+        for s in self.kv.values():
+            s.close()
+        if self.oneshot is not None:
+            self.oneshot.close()
+        for bw in self.bw.values():
+            bw.close()
+        self.torch.clear()
+        if getattr(self, "_prof_backend", None) is not None:
+            self._prof_backend.close()
+        self.backend.close()
+
+    # -- one timed step per system
+    def _runner(self, sysname: str, window: int):  # noqa: ANN202
+        """(prepare, step): prepare is untimed, step is the timed draft step."""
+        n = self.n_new
+        if sysname in self.kv:
+            ks = self.kv[sysname]
+            state = {}
+
+            def prep() -> None:
+                state["c"] = ks.prepare(n)
+
+            def step():  # noqa: ANN202
+                return ks.cache.step(self.ring, state["c"], self.noise)
+            return prep, step
+        if sysname == "raw":
+            ks = self.kv["kv_f16"]
+
+            def prep() -> None:
+                c = ks.prepare(n)
+                ks.cache.begin_step(self.ring, c)
+                ks.cache.inp_embed.set(self.noise)
+
+            def step():  # noqa: ANN202
+                ks.cache.gf.compute(self.backend)
+            return prep, step
+        if sysname == "oneshot":
+            return (lambda: None), (lambda: self.oneshot.step(self.ring, window, self.noise))
+        drafter, tnoise = self.torch[sysname]
+        return (lambda: drafter.rewind(window - n)), (lambda: drafter.step(window, n, tnoise))
+
+    def run_window(self, window: int) -> dict:
+        n = self.n_new
+        res: dict = {"window": window, "systems": {}, "errors_vs_torch_fp32": {}}
+        outs = {}
+        t0 = time.perf_counter()
+        # warm every system to the window; the first output of each is checked against torch fp32
+        for name, ks in self.kv.items():
+            outs[name] = ks.start_window(self.ring, window, self.noise)
+        if self.oneshot is not None:
+            outs["oneshot"] = self.oneshot.step(self.ring, window, self.noise)  # builds the W-row graph
+        for name, (drafter, tnoise) in self.torch.items():
+            drafter.warm_to(window - n, tnoise)
+            outs[name] = drafter.step(window, n, tnoise)[0].float().numpy()
+        if "torch_fp32" in outs and not self.args.cap_per_window:
+            ref = outs["torch_fp32"]
+            for name, out in outs.items():
+                if name != "torch_fp32":
+                    res["errors_vs_torch_fp32"][name] = relative_error(out, ref)
+        active = list(self.systems)
+        runners = {s: self._runner(s, window) for s in active}
+        for s, (prep, step) in runners.items():  # a second untimed step each (allocator, caches, OpenMP pools)
+            prep()
+            step()
+        log(f"[{self.name}] W={window}: warm-up {time.perf_counter() - t0:.1f} s")
+        samples: dict[str, list[float]] = {s: [] for s in active}
+        gc.collect()
+        gc.disable()
+        try:
+            t0 = time.perf_counter()
+            with no_grad():
+                for rep in range(self.reps):
+                    order = active[rep % len(active):] + active[:rep % len(active)]
+                    for s in order:
+                        if s == "oneshot" and rep >= self.oneshot_reps:
+                            continue
+                        prep, step = runners[s]
+                        prep()
+                        t = time.perf_counter()
+                        step()
+                        samples[s].append(time.perf_counter() - t)
+        finally:
+            gc.enable()
+        log(f"[{self.name}] W={window}: {self.reps} reps in {time.perf_counter() - t0:.1f} s")
+        for s in active:
+            res["systems"][s] = stats(samples[s])
+        if self.args.profile:
+            res["profile"] = self.profile_window(window)
+        return res
+
+    def profile_window(self, window: int) -> dict:
+        out = {}
+        pt = self.args.profile_threads or self.args.threads
+        if pt != self.args.threads and getattr(self, "_prof_backend", None) is None:
+            self._prof_backend = Backend("cpu", n_threads=pt)  # CPU buffers are host memory: any CPU backend computes them
+        backend = getattr(self, "_prof_backend", None) or self.backend
+        for name, ks in self.kv.items():
+            cache = ks.cache
+            try:
+                prof = OpProfiler(cache.gf, backend, cache.inp_embed)
+            except Exception as e:  # noqa: BLE001
+                log(f"[{self.name}] per-op profile unavailable: {e}")
+                return {}
+            runs = []
+            for _ in range(self.args.profile_reps):
+                c = ks.prepare(self.n_new)
+                cache.begin_step(self.ring, c)
+                cache.inp_embed.set(self.noise)
+                runs.append(prof.run())
+            out[name] = prof.summarize(runs)
+            out[name]["threads"] = pt
+        return out
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        self.setup()
+        windows = []
+        # rows the step graph folds in per step (padded), as the cache reports it
+        a_step = next((ks.cache.a_step for ks in self.kv.values() if ks.cache is not None), 2 * cfg.block_size + 2)
+        try:
+            for w in self.windows:
+                windows.append(self.run_window(w))
+                gc.collect()
+        finally:
+            self.close()
+        return {"config": self.name, "shape": CONFIGS[self.name], "fc_in": cfg.fc_in, "n_params": self.host.n_params,
+                "n_new": self.n_new, "q_len": cfg.block_size, "a_step": a_step, "reps": self.reps,
+                "oneshot_reps": self.oneshot_reps, "cap": CAP, "cap_per_window": self.args.cap_per_window,
+                "weight_bytes": self.weight_bytes, "windows": windows, "kernels": self.kernels}
+
+
+def weight_nbytes(cfg: DraftConfig, dtype: str) -> int:
+    """Bytes of the weights as the backend stores them (matrices in dtype, norm vectors f32)."""
+    total = 0
+    for name, shape in expected_shapes(cfg).items():
+        n = int(np.prod(shape))
+        if is_norm(name) or len(shape) == 1:
+            total += 4 * n
+        else:
+            total += {"f16": 2 * n, "q8_0": n // 32 * 34, "f32": 4 * n}[dtype]
+    return total
