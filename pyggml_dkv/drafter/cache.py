@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..common.checks import check_choice
-from ..ggml import Backend, GGMLError
+from ..ggml import Backend, GGMLError, Tensor
 from ..ggml.delta import DeltaUpload
 from ..model.backend_weights import BackendWeights
 from ..model.config import DraftConfig
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class DraftKvCache:
-    """Context-KV ring cache + the once-built step graph of a DFlash drafter."""
+    """Context-KV ring cache + the once-built step graphs of a DFlash drafter."""
 
     def __init__(self, weights: BackendWeights, backend: Backend, cap: int, lm_head: Any = None,
                  cache_type: str = "f16", swa: str = "seed", embed_tokens: Any = None, attention: str = "f32") -> None:
@@ -67,9 +67,12 @@ class DraftKvCache:
             self.embed_tokens = self._vocab_matrix(embed_tokens, "embed_tokens")
             self.memory = self._own(CacheMemory(weights, backend, geo, cache_type, self.any_full, self.any_swa,
                                                 token_input=self.embed_tokens is not None))
-            built = self._own(build_step_graph(weights, backend, self.memory, self.layer_swa, self.fold_gqa,
-                                               attention == "bf16" and backend.is_cpu, self.lm_head,
-                                               self.embed_tokens, self._fold_in_computed))
+            # one graph per fold-in size (geometry.fold_buckets), all over the same memory; a step
+            # computes the smallest that takes its new rows, the last (a_step rows) is `gf`
+            self.graphs = {rows: self._own(build_step_graph(weights, backend, self.memory, self.layer_swa, self.fold_gqa,
+                                                             attention == "bf16" and backend.is_cpu, self.lm_head,
+                                                             self.embed_tokens, self._fold_in_computed, rows))
+                           for rows in geo.fold_buckets}
         except BaseException:
             self.close()
             raise
@@ -81,8 +84,10 @@ class DraftKvCache:
         # repeats): over RPC only those bytes travel (the masks likewise, in StepInputs)
         self._embed_upload = DeltaUpload.for_tensor(self.inp_embed) if self.inp_embed is not None else None
         self.ap_feat, self.ap_pos, self.ap_rows = mem.ap_feat, mem.ap_pos, mem.ap_rows
+        built = self.graphs[geo.a_step]  # the graph every begin_step's inputs fit (the C-style API's)
         self.g_ctx, self.gf, self.galloc = built.ctx, built.graph, built.galloc
-        self.hidden_states, self.logits, self.draft_ids = built.hidden_states, built.logits, built.draft_ids
+        self._step_graph = built  # what compute() runs next: the smallest graph for the pending rows
+        self._computed = built  # the graph computed last: whose outputs are the step's
         self.n_nodes = self.gf.n_nodes
 
         # host side: slot bookkeeping, masks, and the staging arrays of every step input
@@ -171,8 +176,22 @@ class DraftKvCache:
             self.slots.forget(self._pending)
             self._pending = None
 
-    def _fold_in_computed(self) -> None:
+    def _fold_in_computed(self, graph: Any) -> None:
         self._pending = None
+        self._computed = next(b for b in self.graphs.values() if b.graph is graph)
+
+    # the outputs of the step graph computed last (the smallest one that took the step's rows)
+    @property
+    def hidden_states(self) -> Tensor:
+        return self._computed.hidden_states
+
+    @property
+    def logits(self) -> Tensor | None:
+        return self._computed.logits
+
+    @property
+    def draft_ids(self) -> Tensor | None:
+        return self._computed.draft_ids
 
     # ------------------------------------------------------------------ step
     def _sync_with_ring(self, ring: FeatureRing) -> None:
@@ -207,6 +226,7 @@ class DraftKvCache:
             self.slots.record(new)
             new = new[:0]
         self._inputs.fold_in(ring, new)
+        self._step_graph = self.graphs[self.geometry.bucket_for(new.size)]
         if new.size:
             self.slots.record(new)
             self._pending = new
@@ -217,7 +237,7 @@ class DraftKvCache:
     def compute(self) -> None:
         """Run the step graph (after begin_step and the noise block are set)."""
         self._check_usable()
-        self.gf.compute(self.backend)
+        self._step_graph.graph.compute(self.backend)
 
     def step(self, ring: FeatureRing, committed: int, noise_embed: np.ndarray) -> np.ndarray:
         """One draft step: hidden states (q_len, hidden), or logits (q_len, vocab) with an lm_head."""
@@ -229,8 +249,7 @@ class DraftKvCache:
             self.begin_step(ring, committed)
             self._embed_upload.upload(emb)  # type: ignore[union-attr]
             self.compute()
-            out = self.logits if self.logits is not None else self.hidden_states
-            return out.numpy()
+            return (self.logits if self.logits is not None else self.hidden_states).numpy()
 
     def step_tokens(self, ring: FeatureRing, committed: int, tokens: Any, output: str = "ids") -> np.ndarray:
         """One draft step from token ids (needs embed_tokens): `output` "ids" (per-row argmax,

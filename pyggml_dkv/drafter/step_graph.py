@@ -25,24 +25,43 @@ class Geometry:
     trash_slot: int  # where fold-in padding rows are written: cap + q_len
     kv_total: int  # K/V rows per layer: cap ring slots, q_len noise rows, trash, padded to 32
     mask_rows: int  # rows of each mask: q_len, times the query heads per K/V head when folded
+    fold_buckets: tuple[int, ...]  # fold-in sizes with a step graph of their own, ascending, the last a_step
 
     @classmethod
     def of(cls, cap: int, q_len: int, groups: int) -> "Geometry":
         kv_total = (cap + q_len + 1 + 31) // 32 * 32
-        return cls(cap, q_len, 2 * q_len + 2, cap + q_len, kv_total, q_len * groups)
+        a_step = 2 * q_len + 2
+        return cls(cap, q_len, a_step, cap + q_len, kv_total, q_len * groups, fold_buckets(q_len, a_step))
+
+    def bucket_for(self, n_rows: int) -> int:
+        """The smallest fold-in size that takes `n_rows` new rows (<= a_step)."""
+        return next(b for b in self.fold_buckets if b >= n_rows)
+
+
+def fold_buckets(q_len: int, a_step: int) -> tuple[int, ...]:
+    """The fold-in sizes that get a step graph of their own.
+
+    Every row of a fold-in costs its products through fc and each layer's K/V, padding rows too;
+    a round of speculative decoding commits 1..q_len rows (accepted drafts + the bonus token), so a
+    few sizes cover the common cases: a quarter block, half a block + 1 (an average round), a
+    block + 2, and the full a_step (refills after a rewind, skipped steps). Each size is one more
+    graph built at init and replayed as it is (docs/design.md, "Fold-in and bulk append").
+    """
+    return tuple(sorted({max(1, q_len // 4), q_len // 2 + 1, min(q_len + 2, a_step), a_step}))
 
 
 class StepGraph(Graph):
-    """The once-built step graph. Computing it, by any route, tells its owner the fold-in rows
-    are written (hosts of the C-style API compute it with Backend.compute directly)."""
+    """A once-built step graph. Computing it, by any route, tells its owner (the fold-in rows are
+    written; its outputs are the step's): hosts of the C-style API compute it with
+    Backend.compute directly."""
 
-    def __init__(self, ctx: Context, size: int, on_computed: Callable[[], None]) -> None:
+    def __init__(self, ctx: Context, size: int, on_computed: Callable[["StepGraph"], None]) -> None:
         super().__init__(ctx, size)
         self._on_computed = on_computed
 
     def compute(self, backend: Backend) -> None:
         super().compute(backend)
-        self._on_computed()
+        self._on_computed(self)
 
 
 class CacheMemory:
@@ -96,17 +115,26 @@ class BuiltStepGraph:
         self.ctx.close()
 
 
+def first_rows(g: Context, t: Tensor, n: int) -> Tensor:
+    """The first n rows (ne1) of a 2-D tensor, or the first n values of a 1-D one (a view)."""
+    if len(t.shape) == 1:
+        return t if n == t.ne[0] else g.view(t, (n,))
+    return t if n == t.ne[1] else g.view(t, (t.ne[0], n), (t.nb[1],))
+
+
 def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory, layer_swa: list[bool],
                      fold: bool, bf16_products: bool, lm_head: Tensor | None, embed_table: Tensor | None,
-                     on_computed: Callable[[], None]) -> BuiltStepGraph:
-    """Build and allocate the step graph once; every step recomputes it as it is."""
+                     on_computed: Callable[[StepGraph], None], fold_rows: int) -> BuiltStepGraph:
+    """Build and allocate a step graph folding in the first `fold_rows` rows of the fold-in inputs,
+    once; every step recomputes it as it is."""
     cfg = weights.cfg
     size = L.graph_size_for(cfg)
     g = Context(n_tensors=size, graph_size=size)
     try:
         gf = StepGraph(g, size, on_computed)
         # (a) fold-in append, expanded first: every later read goes through its results
-        k_caches, v_caches = L.append_rows(g, weights, mem.k_cache, mem.v_cache, mem.ap_feat, mem.ap_pos, mem.ap_rows)
+        feat, pos, rows = (first_rows(g, t, fold_rows) for t in (mem.ap_feat, mem.ap_pos, mem.ap_rows))
+        k_caches, v_caches = L.append_rows(g, weights, mem.k_cache, mem.v_cache, feat, pos, rows)
         for t in (*k_caches, *v_caches):
             gf.expand(t)
 

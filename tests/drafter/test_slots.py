@@ -88,3 +88,25 @@ def test_cache_partial_rewind_refolds_instead_of_rebuilding(toy, cpu, monkeypatc
         assert c.next_pos == 150 - back
         want = R.reference_step(w, feats, 150 - back, cap, noise)
         assert relative_error(out, want) < 1e-4
+
+
+def test_step_computes_the_smallest_graph_that_takes_its_rows(toy, cpu):
+    """Fold-in buckets: a step of n new rows runs the smallest bucket >= n (its outputs are the
+    step's), and agrees with the full a_step graph the C-style API computes."""
+    cfg, w, bw, ring, feats, noise = toy
+    with DraftKvCache(bw, cpu, 40, cache_type="f32") as c, DraftKvCache(bw, cpu, 40, cache_type="f32") as full:
+        geo = c.geometry
+        assert geo.fold_buckets[-1] == geo.a_step and list(geo.fold_buckets) == sorted(set(geo.fold_buckets))
+        assert set(c.graphs) == set(geo.fold_buckets) and c.gf is c.graphs[geo.a_step].graph
+        c.step(ring, 100, noise)
+        full.step(ring, 100, noise)
+        for n_new in (1, 2, geo.fold_buckets[0] + 1, geo.a_step):
+            committed = c.next_pos + n_new
+            out = c.step(ring, committed, noise)
+            assert c.hidden_states is c.graphs[geo.bucket_for(n_new)].hidden_states
+            full.begin_step(ring, committed)  # the C-style route: compute the a_step graph itself
+            full.inp_embed.set(noise)
+            cpu.compute(full.gf)
+            assert full.hidden_states is full.graphs[geo.a_step].hidden_states
+            np.testing.assert_allclose(out, full.hidden_states.numpy(), rtol=0, atol=1e-5)
+            assert relative_error(out, R.reference_step(w, feats, committed, 40, noise)) < 1e-4
