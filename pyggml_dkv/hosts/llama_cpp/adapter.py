@@ -51,7 +51,8 @@ class DFlashLlamaDraftModel(LlamaDraftModel):
         self._store: np.ndarray | None = None
         self._written = 0  # positions [0, _written) hold features of the tokens Llama evaluated there
         self._stale_from = 0  # drafter features from this position on must be recomputed
-        self.proposals = 0
+        self.proposals = 0  # drafts handed to Llama.generate
+        self.decodes = 0  # decodes of the Llama's context seen (prompt chunks and verify batches)
 
     def attach(self, llama: Any) -> None:
         """Hook into `llama` (a llama_cpp.Llama built with draft_model=self)."""
@@ -80,6 +81,7 @@ class DFlashLlamaDraftModel(LlamaDraftModel):
             if pos0 > self._written:
                 raise HostError(f"Llama decoded position {pos0} before position {self._written}")
             self._written = pos0 + n
+            self.decodes += 1
             self._stale_from = min(self._stale_from, pos0)
 
         llama._ctx.decode = decode_and_capture

@@ -82,6 +82,7 @@ class SpeculativeGenerator:
         self.target = target
         self.drafter = drafter
         self.last_result: GenerationResult | None = None
+        self.stats: GenerationStats | None = None
 
     def generate(self, prompt: Sequence[int] | np.ndarray, config: GenerationConfig | None = None,
                  on_token: Callable[[int], None] | None = None) -> GenerationResult:
@@ -115,6 +116,7 @@ class SpeculativeGenerator:
         greedy = cfg.temperature == 0
         stops = set(int(t) for t in cfg.stop_tokens)
         stats = GenerationStats(block_size=drafter.cfg.block_size, prompt_tokens=int(prompt.size))
+        self.stats = stats  # live while streaming (progress displays)
         emitted: list[int] = []
         gaps: list[float] = []
         rows: list[np.ndarray] = []
