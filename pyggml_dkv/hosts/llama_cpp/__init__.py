@@ -12,29 +12,44 @@ Modules, one job each:
 - `adapter`: `DFlashLlamaDraftModel` for `llama_cpp.Llama(draft_model=...)`;
 - `coexist`: whether our ggml can share the process with llama.cpp's.
 
-Requires llama-cpp-python (`pip install pyggml_dkv[llama]`).
+Requires llama-cpp-python (`pip install pyggml_dkv[llama]`) for the target side; the numpy
+parts import without it.
 """
 
 from __future__ import annotations
 
-from .acceptance import accept_greedy, accept_sampled, top2_gap
-from .adapter import DFlashLlamaDraftModel
-from .capture import CallbackCapture, FeatureCapture, NativeCapture, make_capture
-from .coexist import coexistence_problem
-from .drafters import (SMOLLM2_LAYER_IDS, OracleDrafter, ReferenceDrafter, check_fits, check_fits_gguf,
-                       ggml_drafter, random_smollm2_weights, smollm2_draft_config, target_embeddings)
-from .errors import HostClosedError, HostError, IncompatibleDrafterError
-from .generate import (GenerationConfig, GenerationResult, PlainResult, SpeculativeGenerator, compare_to_plain,
-                       plain_greedy)
-from .gguf import GGUFError, GGUFFile
-from .stats import GenerationStats, RoundStats
-from .target import LlamaTarget
+import importlib
+from typing import Any
 
-__all__ = [
-    "DFlashLlamaDraftModel", "accept_greedy", "accept_sampled", "top2_gap", "CallbackCapture", "FeatureCapture", "NativeCapture",
-    "make_capture", "coexistence_problem", "SMOLLM2_LAYER_IDS", "OracleDrafter", "ReferenceDrafter", "check_fits",
-    "check_fits_gguf", "ggml_drafter", "random_smollm2_weights", "smollm2_draft_config", "target_embeddings",
-    "HostClosedError", "HostError", "IncompatibleDrafterError", "GenerationConfig", "GenerationResult",
-    "PlainResult", "SpeculativeGenerator", "compare_to_plain", "plain_greedy", "GGUFError", "GGUFFile",
-    "GenerationStats", "RoundStats", "LlamaTarget",
-]
+# public name -> module (imported on first use: `target`, `capture`, `lowlevel` and `adapter` load
+# llama_cpp; the others are numpy only, usable in a process that must not load llama.cpp)
+_LAZY = {
+    "accept_greedy": "acceptance", "accept_sampled": "acceptance", "top2_gap": "acceptance",
+    "DFlashLlamaDraftModel": "adapter",
+    "CallbackCapture": "capture", "FeatureCapture": "capture", "NativeCapture": "capture", "make_capture": "capture",
+    "coexistence_problem": "coexist",
+    "SMOLLM2_LAYER_IDS": "drafters", "OracleDrafter": "drafters", "ReferenceDrafter": "drafters",
+    "check_fits": "drafters", "check_fits_gguf": "drafters", "ggml_drafter": "drafters",
+    "random_smollm2_weights": "drafters", "smollm2_draft_config": "drafters", "target_embeddings": "drafters",
+    "HostClosedError": "errors", "HostError": "errors", "IncompatibleDrafterError": "errors",
+    "GenerationConfig": "generate", "GenerationResult": "generate", "PlainResult": "generate",
+    "SpeculativeGenerator": "generate", "compare_to_plain": "generate", "plain_greedy": "generate",
+    "GGUFError": "gguf", "GGUFFile": "gguf",
+    "GenerationStats": "stats", "RoundStats": "stats",
+    "LlamaTarget": "target",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

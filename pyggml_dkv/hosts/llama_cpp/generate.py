@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -28,7 +28,9 @@ from .drafters import DraftSource, check_fits
 from .sampling import draw
 from .errors import HostClosedError, HostError
 from .stats import GenerationStats, RoundStats
-from .target import LlamaTarget
+
+if TYPE_CHECKING:  # the loop drives any LlamaTarget-like object; importing target loads llama_cpp
+    from .target import LlamaTarget
 
 log = logging.getLogger(__name__)
 

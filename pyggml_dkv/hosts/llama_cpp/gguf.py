@@ -10,7 +10,6 @@ anything else raises a clear error naming the type.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

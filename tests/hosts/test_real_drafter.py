@@ -1,0 +1,91 @@
+"""pyggml_dkv's own Drafter as the host's drafter.
+
+- Its proposals on features captured from llama.cpp agree with the numpy reference drafter (the
+  one the in-process tests drive). The Drafter runs in a child process that never loads llama.cpp,
+  so this runs whether or not the two ggml builds can share a process.
+- In the llama.cpp process itself: only where our ggml is private (coexist.py), else skipped with
+  the reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
+
+from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, LlamaTarget, SpeculativeGenerator,  # noqa: E402
+                                        coexistence_problem, compare_to_plain, ggml_drafter, plain_greedy,
+                                        smollm2_draft_config)
+from pyggml_dkv import DraftWeights  # noqa: E402
+
+from hosts_helpers import PROMPTS, THREADS, smollm2_path  # noqa: E402
+
+CFG = smollm2_draft_config(n_layer=2)
+NEAR_TIE = 0.5
+
+CHILD = r"""
+import json, sys
+import numpy as np
+from pyggml_dkv import Backend, DraftWeights
+from pyggml_dkv.hosts.llama_cpp.drafters import ReferenceDrafter, ggml_drafter, smollm2_draft_config, target_embeddings
+from pyggml_dkv.hosts.llama_cpp.gguf import GGUFFile
+assert "llama_cpp" not in sys.modules
+feats_path, gguf_path, out_path, cap = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+data = np.load(feats_path)
+feats, last = data["feats"], int(data["last"])
+weights = DraftWeights.random(smollm2_draft_config(n_layer=2), seed=1)
+backend = Backend("cpu", n_threads=1)
+real = ggml_drafter(weights, gguf_path, backend=backend, cap=cap, weight_dtype="f32", cache_type="f32")
+embed, head = target_embeddings(GGUFFile(gguf_path))
+ref = ReferenceDrafter(weights, embed, head, cap=cap)
+out = {"committed": [], "logp_err": [], "ids_real": [], "ids_ref": []}
+for n in (feats.shape[0] - 3, feats.shape[0]):   # both windows past the cap
+    real.reset(); ref.reset()
+    real.add_features(feats[:n]); ref.add_features(feats[:n])
+    _, p_real = real.propose(last, temperature=1.0, rng=np.random.default_rng(0))
+    _, p_ref = ref.propose(last, temperature=1.0, rng=np.random.default_rng(0))
+    out["committed"].append(n)
+    out["logp_err"].append(float(np.abs(np.log(p_real) - np.log(p_ref)).max()))
+    out["ids_real"].append(np.asarray(real.propose(last)).tolist())
+    out["ids_ref"].append(np.asarray(ref.propose(last)).tolist())
+real.close()
+json.dump(out, open(out_path, "w"))
+"""
+
+
+def test_ggml_drafter_agrees_with_the_reference_drafter(tmp_path: Path) -> None:
+    with LlamaTarget(smollm2_path(), n_ctx=256, n_batch=64, n_threads=THREADS,
+                     capture_layers=CFG.target_layer_ids) as t:
+        toks = t.tokenize(t.chat_prompt(PROMPTS[3]))
+        logits = t.decode(toks, logits="last")
+        feats = t.capture.features().copy()
+        last = int(np.argmax(logits[-1]))
+    np.savez(tmp_path / "feats.npz", feats=feats, last=last)
+    cap = feats.shape[0] - 5  # the second proposal's window is past the drafter's cap
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "feats.npz"), str(smollm2_path()),
+                           str(tmp_path / "out.json"), str(cap)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    print("max |log p_real - log p_ref| per proposal:", out["logp_err"])
+    # f32 weights and cache against the numpy reference in float32: log-probabilities agree
+    assert max(out["logp_err"]) < 1e-3, out["logp_err"]
+    for a, b in zip(out["ids_real"], out["ids_ref"]):
+        assert np.mean(np.array(a) == np.array(b)) >= 0.9
+
+
+@pytest.mark.skipif(coexistence_problem() is not None, reason=str(coexistence_problem()))
+def test_real_drafter_next_to_llama_cpp() -> None:
+    path = smollm2_path()
+    with LlamaTarget(path, n_ctx=512, n_batch=64, n_threads=THREADS, capture_layers=CFG.target_layer_ids) as t:
+        prompt = t.tokenize(t.chat_prompt(PROMPTS[0]))
+        ref = plain_greedy(t, prompt, 24)
+        with ggml_drafter(DraftWeights.random(CFG, seed=0), str(path), cap=64) as drafter:
+            res = SpeculativeGenerator(t, drafter).generate(prompt, GenerationConfig(max_tokens=24, record_logits=True))
+            assert all(int(np.argmax(row)) == tok for row, tok in zip(res.logits, res.tokens))
+            assert compare_to_plain(res, ref, NEAR_TIE)["lossless"]
+            assert drafter.committed == t.n_past > 64
