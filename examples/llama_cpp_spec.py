@@ -11,8 +11,9 @@ decoding of the same prompt in the same run, the acceptance histogram and tokens
 --drafter: a dflash checkpoint directory; `oracle` (plain greedy output of the target, cut at random
 lengths: shows the loop at high acceptance); default: random weights of the SmolLM2 drafter shape
 (no trained drafter ships yet; drafts are then rejected, and the output must still be lossless).
---engine: `ggml` runs pyggml_dkv's Drafter (ring cache); `reference` the numpy reference drafter;
-default ggml when our ggml can share the process with llama.cpp's, else reference (with a warning).
+--engine: `ggml` runs pyggml_dkv's Drafter (ring cache) in this process; `remote` runs it in a child
+process (the route while our ggml cannot share a process with llama.cpp's); `reference` the numpy
+reference drafter (slow); default: ggml where it can share the process, else remote.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from pyggml_dkv import DraftWeights  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, GGUFFile, LlamaTarget, OracleDrafter,  # noqa: E402
-                                        ReferenceDrafter, SpeculativeGenerator, check_fits_gguf,
+                                        ReferenceDrafter, RemoteDrafter, SpeculativeGenerator, check_fits_gguf,
                                         coexistence_problem, compare_to_plain, ggml_drafter, plain_greedy,
                                         random_smollm2_weights, target_embeddings)
 from pyggml_dkv.hosts.smollm2 import smollm2_gguf  # noqa: E402
@@ -44,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="target GGUF (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--drafter", default=None, help="dflash checkpoint dir, 'oracle', or omitted: random weights")
-    ap.add_argument("--engine", choices=("auto", "ggml", "reference"), default="auto")
+    ap.add_argument("--engine", choices=("auto", "ggml", "remote", "reference"), default="auto")
     ap.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
     ap.add_argument("--raw", action="store_true", help="use the prompt as is, not in the chat template")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -85,13 +86,14 @@ def build_drafter(args: argparse.Namespace, gguf: GGUFFile, reference_tokens: np
     engine = args.engine
     problem = coexistence_problem()
     if engine == "auto":
-        engine = "reference" if problem else "ggml"
-        if problem:
-            logging.warning("%s; using the numpy reference drafter", problem)
+        engine = "remote" if problem else "ggml"
     if engine == "ggml":
         if problem:
             raise SystemExit(problem)
         return ggml_drafter(weights, str(gguf.path), cap=args.cap), f"{what}, pyggml_dkv Drafter"
+    if engine == "remote":
+        drafter = RemoteDrafter(weights, str(gguf.path), cap=args.cap, n_threads=args.threads)
+        return drafter, f"{what}, pyggml_dkv Drafter in a child process"
     return ReferenceDrafter(weights, embed, head, cap=args.cap), f"{what}, numpy reference drafter"
 
 
@@ -155,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                   "stats": st.to_dict(), "capture_route": target.capture.route}
         args.json.write_text(json.dumps(report, indent=2))
     target.close()
+    if hasattr(drafter, "close"):
+        drafter.close()
     return 0 if lossless is not False else 1
 
 

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
 
-from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, LlamaTarget, SpeculativeGenerator,  # noqa: E402
-                                        coexistence_problem, compare_to_plain, ggml_drafter, plain_greedy,
+from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, LlamaTarget, RemoteDrafter,  # noqa: E402
+                                        SpeculativeGenerator, coexistence_problem, compare_to_plain, ggml_drafter, plain_greedy,
                                         smollm2_draft_config)
 from pyggml_dkv import DraftWeights  # noqa: E402
 
@@ -89,3 +89,23 @@ def test_real_drafter_next_to_llama_cpp() -> None:
             assert all(int(np.argmax(row)) == tok for row, tok in zip(res.logits, res.tokens))
             assert compare_to_plain(res, ref, NEAR_TIE)["lossless"]
             assert drafter.committed == t.n_past > 64
+
+
+def test_remote_drafter_drives_the_loop() -> None:
+    """Our Drafter in a child process (the route while ggml builds clash): lossless, in step, and the
+    same drafts as the same weights give in that process directly (checked above)."""
+    path = smollm2_path()
+    with LlamaTarget(path, n_ctx=512, n_batch=64, n_threads=THREADS, capture_layers=CFG.target_layer_ids) as t:
+        prompt = t.tokenize(t.chat_prompt(PROMPTS[0]))
+        ref = plain_greedy(t, prompt, 24)
+        with RemoteDrafter(DraftWeights.random(CFG, seed=0), str(path), cap=16) as drafter:
+            gen = SpeculativeGenerator(t, drafter)
+            res = gen.generate(prompt, GenerationConfig(max_tokens=24, record_logits=True))
+            assert all(int(np.argmax(row)) == tok for row, tok in zip(res.logits, res.tokens))
+            assert compare_to_plain(res, ref, NEAR_TIE)["lossless"]
+            assert drafter.committed == t.n_past > 16
+            sampled = [gen.generate(prompt, GenerationConfig(max_tokens=8, temperature=0.8, seed=4)).tokens.tolist()
+                       for _ in range(2)]
+            assert sampled[0] == sampled[1]
+        with pytest.raises(Exception, match="closed"):
+            drafter.propose(1)

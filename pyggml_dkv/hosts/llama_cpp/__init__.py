@@ -10,6 +10,7 @@ Modules, one job each:
 - `generate`: `SpeculativeGenerator` (the loop, streaming), plain greedy, the lossless comparison;
 - `stats`: per-round statistics;
 - `adapter`: `DFlashLlamaDraftModel` for `llama_cpp.Llama(draft_model=...)`;
+- `remote`: `RemoteDrafter`, our Drafter in a child process (when it cannot share this one);
 - `coexist`: whether our ggml can share the process with llama.cpp's.
 
 Requires llama-cpp-python (`pip install pyggml_dkv[llama]`) for the target side; the numpy
@@ -37,6 +38,7 @@ _LAZY = {
     "GGUFError": "gguf", "GGUFFile": "gguf",
     "GenerationStats": "stats", "RoundStats": "stats",
     "LlamaTarget": "target",
+    "RemoteDrafter": "remote",
 }
 
 __all__ = sorted(_LAZY)
