@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 
 def _serve(conn: Any, cfg: dict, tensors: dict, gguf_path: str, n_threads: int | None, kwargs: dict) -> None:
     """Child process: build the Drafter, then answer messages until 'close'."""
+    # the child shares the cores with llama.cpp and idles while it verifies: ggml's OpenMP threads
+    # must sleep between computes, not spin (read when libgomp loads, i.e. before ggml is imported)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from .drafters import ggml_drafter
 
     backend = None
