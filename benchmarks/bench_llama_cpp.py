@@ -11,7 +11,7 @@ vocab) included and copied to the host.
                the file: step_tokens(ring, committed, tokens, output="logits")
   ours_ids     the same with output="ids": in-graph argmax, no logits copied (information)
   llama_fa / llama_nofa  llama.cpp's drafter context (libllama C API in a child process, see
-               pyggml_dkv/hosts/llama_cpp_child.py) with flash attention on / off: inject the
+               pyggml_dkv/hosts/llama_cpp/native_dflash_child.py) with flash attention on / off: inject the
                n_new feature rows (llama_process on an embedding batch), decode the noise block
                with logits for every row, read them (llama_get_logits_ith), drop the noise rows
                and the position that left the window (llama_memory_seq_rm)
@@ -46,7 +46,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 
 from pyggml_dkv import Backend, DraftKvCache, FeatureRing  # noqa: E402
-from pyggml_dkv.hosts.llama_cpp_dflash import llama_cpp_available, llama_dflash_bench  # noqa: E402
+from pyggml_dkv.hosts.llama_cpp.native_dflash import llama_cpp_available, llama_dflash_bench  # noqa: E402
 from pyggml_dkv.hosts.smollm2 import smollm2_gguf  # noqa: E402
 from pyggml_dkv.model.config import DraftConfig  # noqa: E402
 from pyggml_dkv.model.stored import upload_stored  # noqa: E402

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..common.checks import is_int, is_real
+from ..common.sampling import sampling_probs
 from ..model.backend_weights import BackendWeights
 from .cache import DraftKvCache
 from .features import FeatureRing
@@ -27,28 +28,6 @@ from ..ggml import Backend
 from ..model.weights import DraftWeights
 
 log = logging.getLogger(__name__)
-
-
-def sampling_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """Row-wise draft distribution: softmax(logits / temperature) restricted to top-k, then top-p."""
-    z = np.asarray(logits, dtype=np.float64) / temperature
-    vocab = z.shape[1]
-    if 0 < top_k < vocab:
-        kth = np.partition(z, vocab - top_k, axis=1)[:, vocab - top_k][:, None]
-        z = np.where(z < kth, -np.inf, z)
-    z -= z.max(axis=1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(axis=1, keepdims=True)
-    if top_p < 1.0:
-        order = np.argsort(-p, axis=1, kind="stable")
-        sorted_p = np.take_along_axis(p, order, axis=1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        keep_sorted = (np.cumsum(sorted_p, axis=1) - sorted_p) < top_p
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=1)
-        p = np.where(keep, p, 0.0)
-        p /= p.sum(axis=1, keepdims=True)
-    return p
 
 
 def sample_rows(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._lowlevel import ffi, lib
-from .op_checks import WEIGHT_QUANT, BF16, BINARY_TYPES, can_repeat, check_type, F16, F32, fail, finite, FLOAT, is_transposed, OpBuilder, QUANT, rows_contiguous
+from .op_checks import BF16, BINARY_TYPES, can_repeat, check_type, F16, F32, fail, finite, FLOAT, is_transposed, OpBuilder, rows_contiguous, WEIGHT_QUANT
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tensor import Tensor

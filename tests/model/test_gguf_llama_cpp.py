@@ -12,7 +12,7 @@ import pytest
 from pyggml_dkv import DraftKvCache, FeatureRing
 from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
-from pyggml_dkv.hosts.llama_cpp_dflash import llama_cpp_available, llama_dflash_trajectory, llama_model_info
+from pyggml_dkv.hosts.llama_cpp.native_dflash import llama_cpp_available, llama_dflash_trajectory, llama_model_info
 from pyggml_dkv.model.config import DraftConfig
 from pyggml_dkv.model.stored import upload_stored
 from pyggml_dkv.model.weights import DraftWeights

@@ -1,8 +1,9 @@
 """llama.cpp's own DFlash drafter, driven through libllama's C API (llama-cpp-python's ctypes
-bindings). Run as a script in a CHILD process: it must never share a process with pyggml_dkv's
-ggml (same library names). It imports only the standard library, numpy and llama_cpp.
+bindings). Run in a CHILD process (native_dflash.py starts it), so that what it measures never
+shares a process with what it is compared with. It imports only the standard library, numpy and
+llama_cpp.
 
-    python llama_cpp_child.py JOB.json
+    python -m pyggml_dkv.hosts.llama_cpp.native_dflash_child JOB.json
 
 JOB.json: {"mode": "meta" | "trajectory" | "bench", "gguf": path, "out": directory, ...}.
 Arrays come in and go out as .npy files; the summary goes to out/result.json.
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-log = logging.getLogger("llama_cpp_child")
+log = logging.getLogger("pyggml_dkv.hosts.llama_cpp.native_dflash_child")
 
 
 class Drafter:

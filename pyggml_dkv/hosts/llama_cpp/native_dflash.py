@@ -1,8 +1,7 @@
 """llama.cpp's native DFlash drafter as a peer to compare with, run in a child process.
 
-pyggml_dkv's ggml and llama-cpp-python's ship shared libraries with the same names, so the two
-cannot share a process: llama.cpp runs in `llama_cpp_child.py` (a plain script that never
-imports this package) and the arrays travel through .npy files. Needs llama-cpp-python
+llama.cpp runs in `native_dflash_child.py` (a module that never imports our ggml), so a comparison
+never shares a process with the code it checks; the arrays travel through .npy files. Needs llama-cpp-python
 (`pip install pyggml_dkv[llama]`, 0.3.36: the first release whose llama.cpp runs DFlash).
 """
 
@@ -19,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from ..common.errors import PyggmlDkvError
+from ...common.errors import PyggmlDkvError
 
 log = logging.getLogger(__name__)
 
-CHILD = Path(__file__).with_name("llama_cpp_child.py")
+CHILD_MODULE = "pyggml_dkv.hosts.llama_cpp.native_dflash_child"
 
 
 class LlamaCppError(PyggmlDkvError, RuntimeError):
@@ -42,7 +41,7 @@ def _run(job: dict[str, Any], arrays: dict[str, np.ndarray], timeout: float) -> 
         job[name] = str(work / f"{name}.npy")
     job["out"] = str(work)
     (work / "job.json").write_text(json.dumps(job))
-    proc = subprocess.run([sys.executable, str(CHILD), str(work / "job.json")], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", CHILD_MODULE, str(work / "job.json")], capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode != 0 or not (work / "result.json").is_file():
         raise LlamaCppError(f"llama.cpp child ({job['mode']}) exited {proc.returncode}:\n{proc.stderr[-4000:]}")

@@ -1,0 +1,110 @@
+"""`llama_cpp.Llama(draft_model=...)` adapter: our drafter inside llama-cpp-python's own generate().
+
+    adapter = DFlashLlamaDraftModel(drafter)
+    llm = llama_cpp.Llama(model_path, draft_model=adapter, logits_all=True, n_ctx=2048)
+    adapter.attach(llm)                 # before the first generate()
+    llm.create_completion(...) / llm.generate(...)
+
+How it works: attach() turns on llama.cpp's native layer-input extraction for the drafter's
+target layers on the Llama's context and wraps that context's decode(): after every decode
+(prompt chunks and verify batches alike) the features of the decoded positions are copied into a
+per-position store. When Llama.generate() asks for a draft with the token ids so far, the adapter
+commits the features of every evaluated position the drafter lacks (rewinding past positions
+llama-cpp-python re-evaluated) and proposes block_size - 1 tokens after the last id.
+
+Limits (llama-cpp-python 0.3.36):
+- pass logits_all=True: with a draft model Llama keeps logits for every row, but its score buffer
+  is sized by the logits_all argument, so prompts longer than n_batch fail without it;
+- the native route only: the last target layer (n_layer - 1) cannot be captured here;
+- verification and sampling are Llama.generate()'s own (it samples each position with its sampler
+  and keeps drafts while they equal the sampled token: lossless, but greedy drafts only; the
+  draft distributions are not used);
+- Llama.generate() re-evaluates the last prompt token when the whole prompt is cached; the adapter
+  follows positions, so that is handled, but a Llama state load (load_state) invalidates it:
+  call adapter.reset().
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+import llama_cpp
+from llama_cpp.llama_speculative import LlamaDraftModel
+
+from .capture import NativeCapture
+from .drafters import DraftSource, check_fits
+from .errors import HostClosedError, HostError
+
+log = logging.getLogger(__name__)
+
+
+class DFlashLlamaDraftModel(LlamaDraftModel):
+    """A LlamaDraftModel that drafts with a DFlash drafter fed by the Llama's own captured features."""
+
+    def __init__(self, drafter: DraftSource) -> None:
+        self.drafter = drafter
+        self.llama: Any = None
+        self._store: np.ndarray | None = None
+        self._written = 0  # positions [0, _written) hold features of the tokens Llama evaluated there
+        self._stale_from = 0  # drafter features from this position on must be recomputed
+        self.proposals = 0  # drafts handed to Llama.generate
+        self.decodes = 0  # decodes of the Llama's context seen (prompt chunks and verify batches)
+
+    def attach(self, llama: Any) -> None:
+        """Hook into `llama` (a llama_cpp.Llama built with draft_model=self)."""
+        if getattr(llama, "draft_model", None) is not self:
+            raise HostError("attach() expects the Llama that was created with draft_model=this adapter")
+        if llama._ctx is None or llama._ctx.ctx is None:
+            raise HostClosedError("the Llama is closed")
+        n_layer = int(llama_cpp.llama_model_n_layer(llama.model))
+        check_fits(self.drafter.cfg, self.drafter.vocab, n_embd=llama.n_embd(), n_layer=n_layer,
+                   n_vocab=llama.n_vocab())
+        if llama.scores.shape[0] < llama.n_ctx():
+            raise HostError("create the Llama with logits_all=True: llama-cpp-python 0.3.36 sizes its score buffer "
+                            "by that argument and fails on prompts longer than n_batch with a draft model otherwise")
+        self.capture = NativeCapture(self.drafter.cfg.target_layer_ids, llama.n_embd(), n_layer, llama.n_batch)
+        self.capture.attach(llama._ctx.ctx)
+        self._store = np.zeros((llama.n_ctx(), self.capture.fc_in), dtype=np.float32)
+        original = llama._ctx.decode
+
+        def decode_and_capture(batch: Any) -> None:
+            n = int(batch.batch.n_tokens)
+            pos0 = int(batch.batch.pos[0])
+            self.capture.begin(n)
+            original(batch)
+            self.capture.end()
+            self._store[pos0:pos0 + n] = self.capture.features(n)
+            if pos0 > self._written:
+                raise HostError(f"Llama decoded position {pos0} before position {self._written}")
+            self._written = pos0 + n
+            self.decodes += 1
+            self._stale_from = min(self._stale_from, pos0)
+
+        llama._ctx.decode = decode_and_capture
+        self.llama = llama
+
+    def reset(self) -> None:
+        self.drafter.reset()
+        self._written = 0
+        self._stale_from = 0
+
+    def __call__(self, input_ids: npt.NDArray[np.intc], /, **kwargs: Any) -> npt.NDArray[np.intc]:
+        if self.llama is None:
+            raise HostError("call attach(llama) before generating")
+        ids = np.asarray(input_ids).reshape(-1)
+        n_eval = ids.size - 1  # the last id has been sampled, not evaluated yet
+        if n_eval < 1 or n_eval > self._written:
+            return np.array([], dtype=np.intc)
+        drafter = self.drafter
+        keep = min(drafter.committed, self._stale_from, n_eval)
+        if keep < drafter.committed:
+            drafter.rewind(keep)
+        if n_eval > drafter.committed:
+            drafter.add_features(self._store[drafter.committed:n_eval])
+        self._stale_from = n_eval
+        self.proposals += 1
+        return np.asarray(drafter.propose(int(ids[-1])), dtype=np.intc)

@@ -1,0 +1,15 @@
+"""Exceptions of the llama.cpp host."""
+
+from __future__ import annotations
+
+
+class HostError(RuntimeError):
+    """The llama.cpp host cannot do what was asked (bad input, closed host, llama.cpp failure)."""
+
+
+class HostClosedError(HostError):
+    """The host (or its target) was closed."""
+
+
+class IncompatibleDrafterError(HostError, ValueError):
+    """The drafter does not fit the target: hidden size, layer count, layer ids or vocab differ."""
