@@ -1,4 +1,4 @@
-"""Step benchmark against llama.cpp's own DFlash drafter (issue #15), on the same GGUF.
+"""Step benchmark against llama.cpp's own DFlash drafter, on the same GGUF.
 
     python benchmarks/bench_llama_cpp.py                         # small, f16 + q8_0, windows 64..4096
     python benchmarks/bench_llama_cpp.py --windows 64,1024 --reps 10 --json out.json

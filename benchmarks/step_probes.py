@@ -143,8 +143,8 @@ def kernels_used(kind: str, repack_kind: str | None, attention: str) -> dict:
         att = {"amx": ("bf16 products on AMX-BF16 tiles (patch 0009)", None),
                "avx512_bf16": ("bf16 products, AVX512-BF16 vdpbf16ps (patch 0011)", "vdpbf16ps")}.get(bf16_attention_kernel(), f32_att)
     if feats["amx_usable"]:
-        # AMX tiles are not probed: on such a CPU every roofline keeps the numpy rate (as before
-        # issue 17), so its figures stay comparable with earlier runs
+        # AMX tiles are not probed: on such a CPU every roofline keeps the numpy rate (as before the
+        # instruction-peak probes existed), so its figures stay comparable with earlier runs
         mm, att = (mm[0], None), (att[0], None)
     return {"matmul": mm[0], "matmul_instr": mm[1], "attention": att[0], "attention_instr": att[1]}
 

@@ -1,6 +1,6 @@
 """ggml is private to the extension: nothing shipped exports or imports a ggml symbol, no shared
 libggml is shipped, and the import-time stamp check refuses an extension that does not run the
-recorded ggml build (issue 13)."""
+recorded ggml build."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""pyggml_dkv inside a llama.cpp host (issue 13): llama-cpp-python and pyggml_dkv in one process.
+"""pyggml_dkv inside a llama.cpp host: llama-cpp-python and pyggml_dkv in one process.
 
 Each case is a fresh child process (tests/hosts/coexistence_cases.py) that loads the two in one order:
 pyggml_dkv first, llama_cpp first, llama.cpp's libggml*.so dlopen()ed RTLD_GLOBAL before both,
