@@ -40,3 +40,18 @@ def compute(backend: Backend, specs: list[tuple[str, np.ndarray]], build, graph_
     return results[0] if single else results
 
 
+
+
+def mul_mat_rows(backend: Backend, wt: Tensor, x: np.ndarray) -> np.ndarray:
+    """x (rows, k) f32 times an uploaded weight tensor wt [k, n_out] (e.g. repacked): (rows, n_out)."""
+    with Context(n_tensors=1) as ctx, Context(n_tensors=4, graph_size=4) as g:
+        xt = ctx.new_tensor("f32", *reversed(x.shape))
+        with Buffer.alloc_ctx_tensors(ctx, backend):
+            xt.set(x)
+            graph = Graph(g, 4)
+            out = g.mul_mat(wt, xt)
+            graph.expand(out)
+            with Gallocr(backend) as galloc:
+                galloc.alloc_graph(graph)
+                graph.compute(backend)
+                return out.numpy()

@@ -15,6 +15,7 @@ from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.ggml import Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types, vnni_available
 from pyggml_dkv.model.backend_weights import upload_matrix
+from tests.ggml.helpers import mul_mat_rows
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU / kernel offers no AMX (or PYGGML_DKV_NO_AMX is set)")
 
@@ -131,7 +132,7 @@ def test_amx_product_at_every_row_count(n_threads):
     """The AMX q8_0 product for row counts around its 16-row tiles (vendor/patches/0007 computes at
     most 16 rows per pass: 16 noise rows, 34 fold-in rows = 16 + 16 + 2), against the exact q8_0
     arithmetic in float64 (int8 dot products per 32-value block, times both blocks' f16 scales)."""
-    from pyggml_dkv.ggml import Backend, Buffer
+    from pyggml_dkv.ggml import Backend
 
     rng = np.random.default_rng(3)
     n_out, k = 96, 320  # 3 blocks of 32 output columns, 10 K blocks
@@ -145,17 +146,7 @@ def test_amx_product_at_every_row_count(n_threads):
             dx, qx = _q8_0_round_trip(x)
             want = np.einsum("rb,ob,rbi,obi->ro", dx.astype(np.float64), dw.astype(np.float64),
                              qx.astype(np.float64), qw.astype(np.float64))
-            with Context(n_tensors=1) as ctx, Context(n_tensors=4, graph_size=4) as g:
-                xt = ctx.new_tensor("f32", k, rows)
-                with Buffer.alloc_ctx_tensors(ctx, backend):
-                    xt.set(x)
-                    graph = Graph(g, 4)
-                    out = g.mul_mat(wt, xt)
-                    graph.expand(out)
-                    with Gallocr(backend) as galloc:
-                        galloc.alloc_graph(graph)
-                        graph.compute(backend)
-                        got = out.numpy()
+            got = mul_mat_rows(backend, wt, x)
             assert got.shape == (rows, n_out)
             assert relative_error(got, want) < 1e-6, (rows, relative_error(got, want))
         wbuf.close()

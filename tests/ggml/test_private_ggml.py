@@ -5,8 +5,6 @@ recorded ggml build."""
 from __future__ import annotations
 
 import ctypes.util
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 

@@ -16,6 +16,7 @@ from pyggml_dkv.model.backend_weights import BackendWeights, default_weight_dtyp
 from pyggml_dkv.ggml import (Backend, Buffer, Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types,
                              cpu_features, vnni_available, vnni_fits)
 from pyggml_dkv.common.numeric import relative_error
+from tests.ggml.helpers import mul_mat_rows
 
 # on a CPU with AMX the AMX buffer wins; PYGGML_DKV_NO_AMX=1 lets these tests run there too
 needs_vnni = pytest.mark.skipif(not vnni_available() or amx_available(),
@@ -43,20 +44,6 @@ def _exact(w: np.ndarray, x: np.ndarray) -> np.ndarray:
                      qx.astype(np.float64), qw.astype(np.float64))
 
 
-def _mul_mat(backend: Backend, wt, x: np.ndarray) -> np.ndarray:
-    with Context(n_tensors=1) as ctx, Context(n_tensors=4, graph_size=4) as g:
-        xt = ctx.new_tensor("f32", *reversed(x.shape))
-        with Buffer.alloc_ctx_tensors(ctx, backend):
-            xt.set(x)
-            graph = Graph(g, 4)
-            out = g.mul_mat(wt, xt)
-            graph.expand(out)
-            with Gallocr(backend) as galloc:
-                galloc.alloc_graph(graph)
-                graph.compute(backend)
-                return out.numpy()
-
-
 @needs_vnni
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 def test_vnni_product_at_every_row_count(n_threads):
@@ -73,7 +60,7 @@ def test_vnni_product_at_every_row_count(n_threads):
         for rows in (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 34, 40, 64, 100):
             x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)
             x[0, 32:64] = 0
-            got = _mul_mat(backend, wt, x)
+            got = mul_mat_rows(backend, wt, x)
             assert got.shape == (rows, n_out)
             assert relative_error(got, _exact(w, x)) < 1e-6, (rows, relative_error(got, _exact(w, x)))
         wbuf.close()
@@ -95,7 +82,7 @@ def test_vnni_matches_generic_q8_0_bit_for_bit_on_integer_data():
         wt, wbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=True)
         plain, pbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=False)
         assert wt.is_repacked and not plain.is_repacked
-        got, ref = _mul_mat(backend, wt, x), _mul_mat(backend, plain, x)
+        got, ref = mul_mat_rows(backend, wt, x), mul_mat_rows(backend, plain, x)
         np.testing.assert_array_equal(got, ref)
         np.testing.assert_array_equal(got, x.astype(np.float64) @ w.T.astype(np.float64))
         wbuf.close()
@@ -197,7 +184,7 @@ def test_vnni_non_finite_activations_give_nan_rows(cpu):
     x[0, 5], x[2, 70], x[3, 40] = np.nan, np.inf, -np.inf
     wt, buf = upload_matrix(cpu, w, "q8_0", "w", matmul_only=True)
     with buf:
-        got = _mul_mat(cpu, wt, x)
+        got = mul_mat_rows(cpu, wt, x)
     assert np.isnan(got[[0, 2, 3]]).all()
     ok = [1, 4]
     assert relative_error(got[ok], _exact(w, x[ok])) < 1e-6
