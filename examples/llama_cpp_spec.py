@@ -5,10 +5,10 @@ decoding of the same prompt in the same run, the acceptance histogram and tokens
     pip install -e ".[llama]"
     python examples/llama_cpp_spec.py                         # SmolLM2-135M target, random drafter
     python examples/llama_cpp_spec.py --drafter oracle        # the target's own continuation as drafts
-    python examples/llama_cpp_spec.py --drafter CKPT_DIR      # a DFlash checkpoint (dflash format)
+    python examples/llama_cpp_spec.py --drafter CKPT_DIR      # a DFlash checkpoint (dflash format, or a dflash .gguf)
     python examples/llama_cpp_spec.py --json out.json --max-tokens 128 --temperature 0.8
 
---drafter: a dflash checkpoint directory; `oracle` (plain greedy output of the target, cut at random
+--drafter: a dflash checkpoint directory or a llama.cpp dflash .gguf; `oracle` (plain greedy output of the target, cut at random
 lengths: shows the loop at high acceptance); default: random weights of the SmolLM2 drafter shape
 (no trained drafter ships yet; drafts are then rejected, and the output must still be lossless).
 --engine: `ggml` (default) runs pyggml_dkv's Drafter (ring cache) in this process; `remote` runs it
@@ -43,7 +43,7 @@ NEAR_TIE = 0.5  # top-2 logit gap under which batch-shape rounding may flip the 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="target GGUF (default: SmolLM2-135M-Instruct Q4_1)")
-    ap.add_argument("--drafter", default=None, help="dflash checkpoint dir, 'oracle', or omitted: random weights")
+    ap.add_argument("--drafter", default=None, help="dflash checkpoint dir or .gguf, 'oracle', or omitted: random weights")
     ap.add_argument("--engine", choices=("ggml", "remote", "reference"), default="ggml")
     ap.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
     ap.add_argument("--raw", action="store_true", help="use the prompt as is, not in the chat template")
@@ -74,12 +74,10 @@ def build_drafter(args: argparse.Namespace, gguf: GGUFFile, reference_tokens: np
         what = "random weights (SmolLM2 drafter shape)"
     else:
         path = Path(args.drafter)
-        if path.suffix == ".gguf":
-            raise SystemExit("GGUF drafters are not supported yet: pass a dflash checkpoint directory")
-        weights = DraftWeights.from_pretrained(path)
+        weights = DraftWeights.from_pretrained(path)  # a dflash checkpoint directory or a dflash .gguf
         if args.block_size:
             weights = DraftWeights(weights.cfg.replace(block_size=args.block_size), dict(weights))
-        what = f"checkpoint {path}"
+        what = f"{'GGUF' if path.suffix == '.gguf' else 'checkpoint'} {path}"
     embed, head = target_embeddings(gguf)
     check_fits_gguf(weights.cfg, head.shape[0], gguf)
     engine = args.engine

@@ -49,7 +49,7 @@ _REFUSED_KEYS = {
 }
 
 
-def _field_value(field: Any) -> Any:
+def field_value(field: Any) -> Any:
     """A GGUFReader field as a Python value (str, int, float, bool, or a list of them). A float32
     value comes back as the shortest decimal that rounds to it (1e-06, not 9.99999997e-07)."""
     from gguf import GGUFValueType
@@ -64,7 +64,7 @@ class _Keys:
     """The file's metadata, tracking which keys were consumed so leftovers can be refused."""
 
     def __init__(self, reader: Any) -> None:
-        self.kv = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+        self.kv = {name: field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
         self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
@@ -231,7 +231,7 @@ def _rope_from_gguf(keys: _Keys, n_ctx_train: int) -> dict[str, Any]:
     return out
 
 
-def _host_array(tensor: Any) -> np.ndarray:
+def host_array(tensor: Any) -> np.ndarray:
     """A GGUF tensor as float32 in numpy (out, in) order, dequantized by the gguf package."""
     from gguf.quants import dequantize
 
@@ -285,7 +285,7 @@ def read_gguf(path: str | Path) -> GGUFDrafter:
         type_name = t.tensor_type.name.lower()
         if type_name not in STORED_TYPES:
             raise GGUFError(f"{path.name}: tensor {t.name!r} is {t.tensor_type.name}; supported: {STORED_TYPES}")
-        host = _host_array(t)
+        host = host_array(t)
         tensors[ours] = host
         if host.ndim == 2:
             stored[ours] = _stored(t, type_name, host.shape)

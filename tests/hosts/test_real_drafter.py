@@ -89,3 +89,20 @@ def test_remote_drafter_drives_the_loop() -> None:
             assert sampled[0] == sampled[1]
         with pytest.raises(Exception, match="closed"):
             drafter.propose(1)
+
+
+def test_a_dflash_gguf_drafter_drives_the_loop(tmp_path: Path) -> None:
+    """A drafter read from a llama.cpp dflash GGUF (q8_0, written with the target's vocabulary):
+    the loop stays lossless with it."""
+    path = smollm2_path()
+    gguf = DraftWeights.random(CFG, seed=2).save_pretrained(tmp_path / "drafter.gguf", format="gguf", dtype="q8_0",
+                                                           vocab_from=path)
+    weights = DraftWeights.from_pretrained(gguf)
+    assert weights.cfg.target_layer_ids == CFG.target_layer_ids and weights.stored
+    with LlamaTarget(path, n_ctx=256, n_batch=64, n_threads=THREADS, capture_layers=CFG.target_layer_ids) as t:
+        prompt = t.tokenize(t.chat_prompt(PROMPTS[1]))
+        ref = plain_greedy(t, prompt, 16)
+        with ggml_drafter(weights, str(path), cap=32) as drafter:
+            res = SpeculativeGenerator(t, drafter).generate(prompt, GenerationConfig(max_tokens=16, record_logits=True))
+        assert all(int(np.argmax(row)) == tok for row, tok in zip(res.logits, res.tokens))
+        assert compare_to_plain(res, ref, NEAR_TIE)["lossless"]

@@ -83,7 +83,7 @@ class RemoteDrafter:
     def __init__(self, weights: DraftWeights, gguf_path: str, *, n_threads: int | None = None, timeout_s: float = 300.0,
                  **drafter_kwargs: Any) -> None:
         gguf = GGUFFile(gguf_path)
-        head_rows = gguf.tensors["output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"].shape[0]
+        head_rows = gguf.tensors["output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"][0]
         check_fits_gguf(weights.cfg, head_rows, gguf)  # fail here, before a process is started
         self.cfg = weights.cfg
         self.vocab = int(head_rows)
