@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,7 +26,7 @@ from ..model.config import DraftConfig
 from . import layers as L
 from .args import check_drafter_args, check_noise_embed, check_token_ids, vocab_matrix
 from .bulk_append import bulk_append
-from .features import FeatureRing, check_window
+from .features import FeatureRing, RingWatch, check_window
 from .masks import StepMasks
 from .slots import SlotBook
 from .step_graph import CacheMemory, Geometry, build_step_graph
@@ -95,7 +94,7 @@ class DraftKvCache:
         masks = StepMasks(geo.q_len, groups, cap, geo.kv_total, cap, self.any_full, self.any_swa, swa, cfg.swa_window)
         self._inputs = StepInputs(self.memory, geo, self.fc_in, masks)
         self._pending: np.ndarray | None = None  # fold-in positions filled in but not yet computed
-        self._ring_seen: tuple[Any, int] | None = None  # (weakref to the last ring, its epoch then)
+        self._ring = RingWatch()  # what the ring dropped since the last step
         log.debug("DraftKvCache %s: %d graph nodes", geo, self.n_nodes)
 
     def _own(self, obj: Any) -> Any:
@@ -195,15 +194,8 @@ class DraftKvCache:
 
     # ------------------------------------------------------------------ step
     def _sync_with_ring(self, ring: FeatureRing) -> None:
-        """Drop cached rows the ring no longer vouches for: all of them for another ring, else
-        those at or after the lowest position the ring dropped (and maybe rewrote) since."""
-        if self._ring_seen is None:
-            return
-        ref, epoch = self._ring_seen
-        if ref() is not ring:
-            self.slots.clear()
-            return
-        dropped = ring.dropped_since(epoch)
+        """Drop cached rows the ring no longer vouches for (all of them for another ring)."""
+        dropped = self._ring.dropped(ring)
         if dropped is not None and dropped < self.slots.next_pos:
             self._rewind(dropped)
 
@@ -231,7 +223,7 @@ class DraftKvCache:
             self.slots.record(new)
             self._pending = new
         self.slots.next_pos = committed
-        self._ring_seen = (weakref.ref(ring), ring.epoch)
+        self._ring.look(ring)
         self._inputs.noise_and_masks(self.slots.slot_pos, lo, committed)
 
     def compute(self) -> None:

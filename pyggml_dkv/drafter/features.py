@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any
 
@@ -179,3 +180,22 @@ def check_window(ring: FeatureRing, committed: Any, cap: int, fc_in: int) -> int
         raise ValueError(f"the window [{lo}, {committed}) needs positions the ring has overwritten "
                          f"(oldest kept: {ring.oldest}); make the ring at least cap={cap} rows")
     return committed
+
+
+class RingWatch:
+    """For a consumer that keeps state derived from a ring's positions (the ring cache): which
+    positions it must forget since it last looked."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[Any, int] | None = None  # (weakref to the ring, its epoch then)
+
+    def look(self, ring: FeatureRing) -> None:
+        self._seen = (weakref.ref(ring), ring.epoch)
+
+    def dropped(self, ring: FeatureRing) -> int | None:
+        """The lowest position to forget: 0 for another ring than last time, the lowest position
+        the ring dropped (and maybe rewrote) since, or None when nothing changed."""
+        if self._seen is None:
+            return None
+        ref, epoch = self._seen
+        return 0 if ref() is not ring else ring.dropped_since(epoch)
