@@ -7,10 +7,8 @@ touches ggml is loaded on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from .common.errors import PyggmlDkvError
+from .common.lazy import lazy_exports
 from .model.config import DraftConfig
 from .model.errors import CheckpointError, CheckpointNotFoundError, ConfigError, WeightsError
 from .model.weights import DraftWeights
@@ -52,14 +50,4 @@ __all__ = ["CheckpointError", "CheckpointNotFoundError", "ConfigError", "DraftCo
            "WeightsError", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pyggml_dkv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)

@@ -18,8 +18,7 @@ parts import without it.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ...common.lazy import lazy_exports
 
 # public name -> module (imported on first use: `target`, `capture`, `lowlevel` and `adapter` load
 # llama_cpp; the others are numpy only, usable in a process that must not load llama.cpp)
@@ -42,14 +41,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)
