@@ -7,7 +7,7 @@
 # unpacked; with the device tool: carry ["vendor/ggml"]). On the GPU machine it
 #   1. builds ggml with CUDA for the local GPU (cuBLAS from the toolkit or PyTorch's nvidia wheels),
 #   2. compiles the bindings in place (cffi + a C compiler; no pip, no network),
-#   3. runs the parity tests on the CUDA backend (tests/test_cuda.py),
+#   3. runs the parity tests on the CUDA backend (tests/ggml/test_cuda.py),
 #   4. runs the step benchmark (qwen3-8b shape, windows 64..4096, ring cache f16/q8_0 vs one-shot)
 #      with CUDA graphs (default) and without (GGML_CUDA_DISABLE_GRAPHS=1).
 # Budget: 8 minutes on 16 cores; every phase prints a timestamped progress line.
@@ -37,7 +37,7 @@ python3 -c "import pyggml_dkv; print(pyggml_dkv.available_backends())"
 
 phase "3/4 parity on the CUDA backend"
 # keep going on failure: the benchmark figures are worth having either way
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py --junitxml="$OUT/test_cuda.xml" 2>&1 | tail -n 25 \
+python3 -m pytest -q -p no:cacheprovider tests/ggml/test_cuda.py --junitxml="$OUT/test_cuda.xml" 2>&1 | tail -n 25 \
     || echo "gpu_check: PARITY TESTS FAILED (details above and in $OUT/test_cuda.xml)"
 
 phase "4/4 step benchmark, CUDA graphs on, then off"

@@ -87,8 +87,9 @@ def main() -> int:
     backend.close()
     left = {k: v for k, v in live_objects().items() if v}
     assert not left, left
-    from pyggml_dkv import _ggml_cffi, _lowlevel
-    from pyggml_dkv._stamp import extension_build
+    from pyggml_dkv import _ggml_cffi
+    from pyggml_dkv._cffi.stamp import extension_build
+    from pyggml_dkv.ggml import _lowlevel
 
     built = extension_build(_lowlevel.ffi, _lowlevel.lib)
     print(f"memcheck trajectory ok: {steps} steps (extension {_ggml_cffi.__file__}: {built.version}, {built.variant})",
