@@ -3,14 +3,17 @@ drafter drafts, the target verifies. Prints the text, the lossless check against
 decoding of the same prompt in the same run, the acceptance histogram and tokens/s.
 
     pip install -e ".[llama]"
-    python examples/llama_cpp_spec.py                         # SmolLM2-135M target, random drafter
+    python examples/llama_cpp_spec.py                         # SmolLM2-135M target, the shipped trained drafter
+    python examples/llama_cpp_spec.py --drafter random        # random drafter weights (nothing accepted)
     python examples/llama_cpp_spec.py --drafter oracle        # the target's own continuation as drafts
+    python examples/llama_cpp_spec.py --hybrid --p-min 0.5    # n-gram drafts when the context repeats; cut unsure drafts
     python examples/llama_cpp_spec.py --drafter CKPT_DIR      # a DFlash checkpoint (dflash format, or a dflash .gguf)
     python examples/llama_cpp_spec.py --json out.json --max-tokens 128 --temperature 0.8
 
 --drafter: a dflash checkpoint directory or a llama.cpp dflash .gguf; `oracle` (plain greedy output of the target, cut at random
-lengths: shows the loop at high acceptance); default: random weights of the SmolLM2 drafter shape
-(no trained drafter ships yet; drafts are then rejected, and the output must still be lossless).
+lengths: shows the loop at high acceptance); `random` (random weights of the SmolLM2 drafter shape:
+drafts are rejected, and the output must still be lossless); default: the drafter trained for
+SmolLM2-135M-Instruct that ships with the package (pyggml_dkv/hosts/pretrained/RECIPE.md).
 --engine: `ggml` (default) runs pyggml_dkv's Drafter (ring cache) in this process; `remote` runs it
 in a child process; `reference` the numpy reference drafter (slow).
 """
@@ -35,6 +38,8 @@ from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, GGUFFile, LlamaTarget,
                                         ReferenceDrafter, RemoteDrafter, SpeculativeGenerator, check_fits_gguf,
                                         compare_to_plain, ggml_drafter, plain_greedy,
                                         random_smollm2_weights, target_embeddings)
+from pyggml_dkv.hosts.llama_cpp.ngram import HybridDrafter  # noqa: E402
+from pyggml_dkv.hosts.pretrained import smollm2_drafter_path  # noqa: E402
 from pyggml_dkv.hosts.smollm2 import smollm2_gguf  # noqa: E402
 
 NEAR_TIE = 0.5  # top-2 logit gap under which batch-shape rounding may flip the argmax (SmolLM2 Q4_1)
@@ -43,7 +48,10 @@ NEAR_TIE = 0.5  # top-2 logit gap under which batch-shape rounding may flip the 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="target GGUF (default: SmolLM2-135M-Instruct Q4_1)")
-    ap.add_argument("--drafter", default=None, help="dflash checkpoint dir or .gguf, 'oracle', or omitted: random weights")
+    ap.add_argument("--drafter", default=None,
+                    help="dflash checkpoint dir or .gguf, 'oracle', 'random'; default: the shipped SmolLM2 drafter")
+    ap.add_argument("--p-min", type=float, default=0.0, help="cut greedy drafts at the first token the drafter gives p < P_MIN")
+    ap.add_argument("--hybrid", action="store_true", help="n-gram drafts when the context has a match, DFlash otherwise")
     ap.add_argument("--engine", choices=("ggml", "remote", "reference"), default="ggml")
     ap.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
     ap.add_argument("--raw", action="store_true", help="use the prompt as is, not in the chat template")
@@ -67,13 +75,13 @@ def build_drafter(args: argparse.Namespace, gguf: GGUFFile, reference_tokens: np
 
         cfg = smollm2_draft_config(**({"block_size": args.block_size} if args.block_size else {}))
         return OracleDrafter(cfg, int(gguf.arch_value("vocab_size")), reference_tokens, seed=args.seed), "oracle"
-    if args.drafter is None:
+    if args.drafter == "random":
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             weights = random_smollm2_weights(seed=args.seed, **({"block_size": args.block_size} if args.block_size else {}))
         what = "random weights (SmolLM2 drafter shape)"
     else:
-        path = Path(args.drafter)
+        path = Path(args.drafter) if args.drafter else smollm2_drafter_path()
         weights = DraftWeights.from_pretrained(path)  # a dflash checkpoint directory or a dflash .gguf
         if args.block_size:
             weights = DraftWeights(weights.cfg.replace(block_size=args.block_size), dict(weights))
@@ -82,7 +90,11 @@ def build_drafter(args: argparse.Namespace, gguf: GGUFFile, reference_tokens: np
     check_fits_gguf(weights.cfg, head.shape[0], gguf)
     engine = args.engine
     if engine == "ggml":
-        return ggml_drafter(weights, str(gguf.path), cap=args.cap), f"{what}, pyggml_dkv Drafter"
+        drafter = ggml_drafter(weights, str(gguf.path), cap=args.cap, p_min=args.p_min)
+        what += f", pyggml_dkv Drafter{f', p_min {args.p_min}' if args.p_min else ''}"
+        if args.hybrid:
+            return HybridDrafter(drafter), what + ", hybrid with n-gram drafts"
+        return drafter, what
     if engine == "remote":
         drafter = RemoteDrafter(weights, str(gguf.path), cap=args.cap, n_threads=args.threads)
         return drafter, f"{what}, pyggml_dkv Drafter in a child process"
@@ -91,6 +103,10 @@ def build_drafter(args: argparse.Namespace, gguf: GGUFFile, reference_tokens: np
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if (args.hybrid or args.p_min) and (args.engine != "ggml" or args.drafter == "oracle"):
+        raise SystemExit("--hybrid and --p-min go with the ggml engine and a DFlash drafter")
+    if args.hybrid and args.temperature != 0:
+        raise SystemExit("--hybrid drafts for greedy decoding only (--temperature 0)")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     model = args.model or smollm2_gguf()
     gguf = GGUFFile(model)

@@ -37,6 +37,16 @@ def sample_rows(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.minimum(ids, p.shape[1] - 1).astype(np.int64)
 
 
+def confident_prefix(logits: np.ndarray, p_min: float) -> np.ndarray:
+    """The argmax of each row, up to (not including) the first row whose top probability < p_min."""
+    z = np.asarray(logits, dtype=np.float32)
+    top = z.max(axis=1, keepdims=True)
+    p_top = 1.0 / np.exp(z - top).sum(axis=1)  # softmax probability of the argmax
+    unsure = np.nonzero(p_top < p_min)[0]
+    n = int(unsure[0]) if unsure.size else z.shape[0]
+    return np.argmax(z[:n], axis=1).astype(np.int64)
+
+
 class Drafter:
     """A DFlash drafter for a host: features in, block_size-1 draft tokens out."""
 
@@ -53,7 +63,13 @@ class Drafter:
         cache_type: str = "f16",
         swa: str = "seed",
         ring_dtype: str = "f32",
+        p_min: float = 0.0,
     ) -> None:
+        # greedy drafts stop at the first token the drafter itself gives less than p_min (llama.cpp's
+        # --draft-p-min): a short draft is cheaper to verify where the drafter is unsure anyway
+        if not is_real(p_min) or not 0.0 <= p_min < 1.0:
+            raise ValueError(f"p_min must be a number in [0, 1), got {p_min!r}")
+        self.p_min = float(p_min)
         self._owns_backend = backend is None
         self.backend = backend or Backend("cpu")
         try:
@@ -115,7 +131,7 @@ class Drafter:
                 rng: np.random.Generator | None = None) -> Any:
         """Draft block_size-1 tokens after `last_token` (the last accepted token) in one graph compute.
 
-        Greedy (temperature 0): returns the token ids. Sampling: returns `(ids, probs)` where
+        Greedy (temperature 0): returns the token ids (cut before the first one under `p_min`). Sampling: returns `(ids, probs)` where
         probs[i] is the distribution draft token i was drawn from, for the host's rejection sampling.
         """
         if self.committed <= 0:
@@ -129,9 +145,11 @@ class Drafter:
         if not is_int(top_k) or top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
         self._tokens[0] = last_token
-        if temperature == 0:
+        if temperature == 0 and self.p_min == 0.0:
             return self.cache.step_tokens(self.ring, self.committed, self._tokens, output="ids")[1:].astype(np.int64)
         logits = self.cache.step_tokens(self.ring, self.committed, self._tokens, output="logits")[1:]
+        if temperature == 0:
+            return confident_prefix(logits, self.p_min)
         probs = sampling_probs(logits, temperature, top_k, top_p)
         return sample_rows(probs, rng or np.random.default_rng()), probs
 

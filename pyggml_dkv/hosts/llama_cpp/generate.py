@@ -11,7 +11,8 @@ rejection sampling); the features of [last] + accepted drafts are committed to t
 the rejected rows are removed from the target's KV cache.
 
 Invariant between rounds: target.n_past == drafter.committed == number of tokens whose features
-the drafter has (prompt + emitted tokens except `last`).
+the drafter has (prompt + emitted tokens except `last`). A drafter with an `observe(tokens)`
+method is also told those tokens as they are committed (the prompt, then [last] + accepted drafts).
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ class SpeculativeGenerator:
         target.clear()
         drafter.reset()
         last_logits = target.prefill(prompt, on_chunk=drafter.add_features)
+        observe = getattr(drafter, "observe", None)  # drafters that read the token history (n-gram)
+        if observe is not None:
+            observe(prompt)
         first = pick(last_logits[None, :])
         stats.prefill_s = time.perf_counter() - t_start
         if drafter.committed != target.n_past:
@@ -186,6 +190,8 @@ class SpeculativeGenerator:
                 p = target_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
                 n_acc, out = accept_sampled(draft, draft_probs[:k], p, rng)
             drafter.add_features(capture.features(n_acc + 1))
+            if observe is not None:
+                observe(np.append(last, draft[:n_acc]))
             target.truncate(target.n_past - (k - n_acc))
             n_out = 0
             for j, token in enumerate(out.tolist()):

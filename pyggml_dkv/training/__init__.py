@@ -1,0 +1,8 @@
+"""Training a DFlash drafter for a llama.cpp target: self-distilled data through our host, the
+DFlash objective in PyTorch, evaluation by real speculative decoding (docs/training.md).
+
+Modules: `prompts` (training and held-out prompts), `data` (generation and shards), `model`
+(the drafter in PyTorch, the `dflash` package's class), `objective` (anchors, masks, loss),
+`train` (the loop, checkpoints), `evaluate` (offline acceptance and host runs), `__main__` (CLI).
+Needs torch and llama-cpp-python (`pip install -e ".[torch,llama]"`).
+"""

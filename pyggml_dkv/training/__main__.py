@@ -1,0 +1,109 @@
+"""Command line: `python -m pyggml_dkv.training {generate,train,evaluate} ...` (docs/training.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ..hosts.llama_cpp.drafters import SMOLLM2_LAYER_IDS
+    from ..hosts.smollm2 import smollm2_gguf
+    from .data import DataRecipe, generate
+    from .prompts import HELD_OUT_PROMPTS, training_prompts
+
+    recipe = DataRecipe(model=str(args.model or smollm2_gguf()), layer_ids=list(args.layers or SMOLLM2_LAYER_IDS),
+                        max_new_tokens=args.max_new_tokens, seed=args.seed, prompt_seed=args.prompt_seed)
+    prompts = list(HELD_OUT_PROMPTS) if args.held_out else training_prompts(args.prompt_seed)
+    prompts = prompts[:args.prompts]
+    counts = generate(args.out, prompts, recipe, kinds=args.kinds, minutes=args.minutes, n_threads=args.threads)
+    logging.getLogger(__name__).info("generated %s", counts)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ..hosts.llama_cpp.drafters import SMOLLM2_LAYER_IDS, smollm2_draft_config
+    from ..hosts.smollm2 import smollm2_gguf
+    from .train import TrainConfig, train
+
+    draft = smollm2_draft_config(n_layer=args.layers, block_size=args.block_size, mask_token_id=args.mask_token,
+                                 target_layer_ids=list(SMOLLM2_LAYER_IDS)).to_dict()
+    cfg = TrainConfig(data=list(args.data), out=args.out, model=str(args.model or smollm2_gguf()), draft=draft,
+                      init_layers=list(args.init_layers or []), epochs=args.epochs, seqs_per_step=args.seqs_per_step,
+                      anchors_per_seq=args.anchors, lr=args.lr, gamma=args.gamma, seed=args.seed, threads=args.threads,
+                      eval_data=args.eval_data, save_every=args.save_every, warmup_steps=args.warmup)
+    record = train(cfg, max_steps=args.max_steps)
+    logging.getLogger(__name__).info("last record: %s", record)
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    import json
+
+    from ..hosts.smollm2 import smollm2_gguf
+    from ..model.weights import DraftWeights
+    from .data import load_corpus
+    from .evaluate import offline_acceptance
+    from .model import load_weights, new_model
+    from .train import frozen_from_gguf
+
+    weights = DraftWeights.from_pretrained(args.drafter)
+    model = new_model(weights.cfg, 0)
+    load_weights(model, weights)
+    result = offline_acceptance(model, frozen_from_gguf(str(args.model or smollm2_gguf())), load_corpus(args.data),
+                                args.sequences)
+    print(json.dumps(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pyggml_dkv.training", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="self-distilled data through the llama.cpp host")
+    g.add_argument("--out", required=True, help="data directory (resumes when it exists)")
+    g.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("--layers", type=int, nargs="+", default=None, help="target layer ids to capture")
+    g.add_argument("--prompts", type=int, default=None, help="use the first N training prompts")
+    g.add_argument("--held-out", action="store_true", help="the held-out prompts (evaluation data), not the training ones")
+    g.add_argument("--kinds", nargs="+", default=["greedy", "warm"], choices=["greedy", "warm"])
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--minutes", type=float, default=None, help="stop after this long (resume later)")
+    g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prompt-seed", type=int, default=0)
+    g.set_defaults(func=cmd_generate)
+    t = sub.add_parser("train", help="train a drafter on generated data (resumes from OUT/state.pt)")
+    t.add_argument("--data", required=True, nargs="+", help="data directories, trained on together")
+    t.add_argument("--out", required=True)
+    t.add_argument("--eval-data", default=None, help="held-out data directory, evaluated at every save")
+    t.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct Q4_1)")
+    t.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
+    t.add_argument("--block-size", type=int, default=8)
+    t.add_argument("--mask-token", type=int, default=16, help="mask token id (SmolLM2: 16, <empty_output>)")
+    t.add_argument("--init-layers", type=int, nargs="+", default=None,
+                   help="initialise drafter layer i from target layer INIT_LAYERS[i] (default: random init)")
+    t.add_argument("--epochs", type=float, default=1.0)
+    t.add_argument("--seqs-per-step", type=int, default=8)
+    t.add_argument("--anchors", type=int, default=48, help="anchors per sequence per step")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--gamma", type=float, default=4.0, help="loss weight exp(-(k-1)/gamma) of block row k")
+    t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
+    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_train)
+    e = sub.add_parser("evaluate", help="offline replay of greedy speculative decoding on held-out data")
+    e.add_argument("--drafter", required=True, help="dflash checkpoint directory or dflash .gguf")
+    e.add_argument("--data", required=True, nargs="+")
+    e.add_argument("--model", default=None)
+    e.add_argument("--sequences", type=int, default=None)
+    e.set_defaults(func=cmd_evaluate)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The training loop: AdamW with warm-up and cosine decay, resumable checkpoints, held-out evaluation.
+
+    run = TrainConfig(data=["data/smollm2"], out="runs/a", model="SmolLM2.gguf", epochs=2)
+    train(run)            # resumes from runs/a/state.pt when it exists
+
+The output directory holds `train.json` (the recipe), `state.pt` (model, optimizer, step: the
+resume point), `log.jsonl` (one line per log interval and per evaluation), and `drafter/` (the
+latest weights as a dflash checkpoint directory, readable by DraftWeights.from_pretrained).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..model.config import DraftConfig
+from .data import load_corpus
+from .evaluate import offline_acceptance
+from .model import init_from_target, new_model, to_draft_weights
+from .objective import Frozen, anchor_range, sequence_loss
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    data: list[str]  # data directories (pyggml_dkv.training.data), trained on together
+    out: str
+    model: str  # the target GGUF: frozen embedding and lm_head, optional layer init
+    draft: dict = field(default_factory=dict)  # DraftConfig fields
+    init_layers: list[int] = field(default_factory=list)  # target layers to copy in (empty: random init)
+    epochs: float = 1.0
+    seqs_per_step: int = 8
+    anchors_per_seq: int = 48
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    gamma: float = 4.0
+    grad_clip: float = 1.0
+    bf16: bool = True  # autocast the drafter's products to bf16 (float32 weights, optimizer and loss)
+    seed: int = 0
+    threads: int = 2
+    log_every: int = 20
+    save_every: int = 100
+    eval_data: str | None = None  # held-out data directory, evaluated at every save
+    eval_sequences: int = 40
+
+    def draft_config(self) -> DraftConfig:
+        return DraftConfig(**self.draft)
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def frozen_from_gguf(path: str) -> Frozen:
+    from ..hosts.llama_cpp.drafters import target_embeddings
+    from ..hosts.llama_cpp.gguf import GGUFFile
+
+    embed, head = target_embeddings(GGUFFile(path))
+    return Frozen.from_arrays(embed, head)
+
+
+def train(cfg: TrainConfig, *, max_steps: int | None = None) -> dict:
+    """Train (or resume) per `cfg`; `max_steps` stops early (tests). Returns the last log record."""
+    torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = out / "train.json"
+    if recipe.exists() and json.loads(recipe.read_text()) != asdict(cfg):
+        raise ValueError(f"{out} holds a run with another recipe (train.json); use a new --out")
+    recipe.write_text(json.dumps(asdict(cfg), indent=2))
+    dcfg = cfg.draft_config()
+    corpus = load_corpus(cfg.data)
+    held_out = load_corpus(cfg.eval_data) if cfg.eval_data else None
+    frozen = frozen_from_gguf(cfg.model)
+    if frozen.embed.shape[1] != dcfg.hidden:
+        raise ValueError(f"the target's hidden size {frozen.embed.shape[1]} is not the drafter's {dcfg.hidden}")
+    if corpus.features.shape[1] != dcfg.fc_in:
+        raise ValueError(f"the data's features are {corpus.features.shape[1]} wide, the drafter takes {dcfg.fc_in}")
+    model = new_model(dcfg, cfg.seed)
+    if cfg.init_layers:
+        from ..hosts.llama_cpp.gguf import GGUFFile
+
+        init_from_target(model, dcfg, GGUFFile(cfg.model), cfg.init_layers)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    per_epoch = corpus.n_sequences // cfg.seqs_per_step
+    total = max(1, int(per_epoch * cfg.epochs))
+    step = 0
+    state_file = out / "state.pt"
+    if state_file.exists():
+        state = torch.load(state_file, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+        log.info("resumed %s at step %d of %d", out, step, total)
+    log.info("%d sequences (%d tokens), %d steps of %d sequences x %d anchors", corpus.n_sequences,
+             corpus.tokens.size, total, cfg.seqs_per_step, cfg.anchors_per_seq)
+    logf = open(out / "log.jsonl", "a")
+    acc = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0}
+    t0, record = time.monotonic(), {}
+    stop = total if max_steps is None else min(total, step + max_steps)
+    model.train()
+    while step < stop:
+        epoch, within = divmod(step, per_epoch)
+        order = epoch_order(corpus.n_sequences, cfg.seed, epoch)
+        batch = order[within * cfg.seqs_per_step:(within + 1) * cfg.seqs_per_step]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, cfg)
+        opt.zero_grad(set_to_none=True)
+        weights, losses = [], []
+        for i in batch:
+            tokens, feats, greedy, plen = corpus.sequence(int(i))
+            anchors = anchor_range(tokens.size, plen)
+            if anchors.size == 0:
+                continue
+            if anchors.size > cfg.anchors_per_seq:  # drawn per (step, sequence): resuming replays them
+                rng = np.random.default_rng([cfg.seed, step, int(i)])
+                anchors = np.sort(rng.choice(anchors, cfg.anchors_per_seq, replace=False))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss, st = sequence_loss(model, frozen, tokens, feats, greedy, anchors, cfg.gamma)
+            if st["weight"] == 0:
+                continue
+            (loss * st["weight"]).backward()
+            weights.append(st["weight"])
+            losses.append(float(loss.detach()) * st["weight"])
+            acc["correct"] += int(st["correct"][0])
+            acc["valid"] += int(st["valid"][0])
+        if weights:
+            scale = 1.0 / sum(weights)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            acc["loss"] += sum(losses) * scale
+            acc["n"] += 1
+        step += 1
+        if step % cfg.log_every == 0 or step == stop:
+            record = {"step": step, "of": total, "epoch": round(step / per_epoch, 3), "lr": lr_at(step - 1, total, cfg),
+                      "loss": acc["loss"] / max(1, acc["n"]), "acc1": acc["correct"] / max(1, acc["valid"]),
+                      "seconds": round(time.monotonic() - t0, 1)}
+            log.info("step %d/%d loss %.4f acc@1 %.3f lr %.2e (%.0f s)", step, total, record["loss"],
+                     record["acc1"], record["lr"], record["seconds"])
+            logf.write(json.dumps(record) + "\n")
+            logf.flush()
+            acc = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0}
+        if step % cfg.save_every == 0 or step == stop:
+            save(model, opt, step, out, dcfg)
+            if held_out is not None:
+                model.eval()
+                ev = offline_acceptance(model, frozen, held_out, cfg.eval_sequences)
+                model.train()
+                ev_record = {"step": step, "eval": ev}
+                log.info("step %d held-out: %.3f tokens/round (every anchor %.3f)", step,
+                         ev["tokens_per_round"], ev["every_anchor_mean"])
+                logf.write(json.dumps(ev_record) + "\n")
+                logf.flush()
+                record = {**record, "eval": ev}
+    logf.close()
+    return record
+
+
+def save(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, out: Path, dcfg: DraftConfig) -> None:
+    tmp = out / "state.pt.tmp"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp)
+    tmp.rename(out / "state.pt")
+    to_draft_weights(model, dcfg).save_pretrained(out / "drafter")
