@@ -22,31 +22,13 @@ import warnings
 
 import numpy as np
 import torch
-import transformers
 from dflash import model as dflash_model
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from pyggml_dkv.model.config import DraftConfig
+from pyggml_dkv.training.model import qwen3_config  # the same config the trainer builds
 from pyggml_dkv.model.weights import DraftWeights
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def qwen3_config(cfg: DraftConfig) -> transformers.Qwen3Config:
-    """The Qwen3Config (with dflash_config) of a drafter of this shape (full-attention layers only)."""
-    if cfg.any_swa:
-        raise ValueError("the benchmark's torch reference covers full-attention drafters only")
-    if cfg.freq_scale != 1.0 or cfg.ext_factor != 0.0:
-        raise ValueError("the benchmark's torch reference covers plain RoPE only")
-    target_ids = list(cfg.target_layer_ids) or list(range(1, 2 * cfg.n_target_layers, 2))
-    return transformers.Qwen3Config(
-        hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv, head_dim=cfg.head_dim,
-        vocab_size=max(cfg.vocab or 0, cfg.mask_token_id + 1, 32), rms_norm_eps=cfg.rms_eps,
-        rope_theta=cfg.rope_theta, max_position_embeddings=1 << 17, num_target_layers=2 * cfg.n_target_layers + 2,
-        attn_implementation="sdpa",
-        dflash_config={"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id, "target_layer_ids": target_ids},
-    )
 
 
 def build_model(weights: DraftWeights, dtype: str) -> torch.nn.Module:

@@ -9,6 +9,8 @@ after another in a rotating order so that the machine's noise is shared. Tokens/
 (prompt processing included) per prompt, summed over prompts.
 
   plain        llama-cpp-python's `Llama.create_completion`, temperature 0
+  plain_ll     plain greedy decoding on llama-cpp-python's low-level API (our `plain_greedy` on a
+               LlamaTarget without capture): no per-token sampling in Python, the fastest plain
   pld4 / pld10 llama-cpp-python with `LlamaPromptLookupDecoding(num_pred_tokens=4 / 10)`
   dflash       our loop (SpeculativeGenerator on LlamaTarget) with the DFlash drafter (ggml Drafter)
   dflash_pmin  the same, drafts cut at the first token the drafter gives p < --p-min
@@ -16,7 +18,7 @@ after another in a rotating order so that the machine's noise is shared. Tokens/
   hybrid       our loop: n-gram drafts when the context has a match, DFlash otherwise
 
 Reported per system: tokens per round (accepted + bonus), the acceptance histogram, tokens/s and
-the ratio to plain. Then the cost model: the measured cost of verifying k tokens and of a draft
+the ratios to plain and to plain_ll. Then the cost model: the measured cost of verifying k tokens and of a draft
 step, the tokens/s it predicts from the measured acceptance at each draft length, and what it
 predicts for a memory-bound target whose verify cost does not grow with k (a GPU).
 """
@@ -46,7 +48,7 @@ from pyggml_dkv.training.prompts import HELD_OUT_PROMPTS  # noqa: E402
 
 log = logging.getLogger("bench_drafter")
 OURS = ("dflash", "dflash_pmin", "ngram", "hybrid")
-LLAMA = ("plain", "pld4", "pld10")
+LLAMA = ("plain", "plain_ll", "pld4", "pld10")
 NEAR_TIE = 0.5
 
 
@@ -73,8 +75,13 @@ class LlamaSystems:
 
         self.llms = {"plain": make(None), "pld4": make(LlamaPromptLookupDecoding(num_pred_tokens=4)),
                      "pld10": make(LlamaPromptLookupDecoding(num_pred_tokens=10))}
+        self.lowlevel = LlamaTarget(model, n_ctx=n_ctx, n_threads=threads)
 
     def run(self, name: str, prompt: list[int], max_tokens: int) -> dict:
+        if name == "plain_ll":
+            t0 = time.perf_counter()
+            res = plain_greedy(self.lowlevel, prompt, max_tokens)
+            return {"tokens": int(res.tokens.size), "seconds": time.perf_counter() - t0}
         llm = self.llms[name]
         llm.reset()
         t0 = time.perf_counter()
@@ -109,7 +116,7 @@ def verify_costs(target: LlamaTarget, prompt: np.ndarray, ks: list[int], reps: i
     return out
 
 
-def summarise(name: str, runs: list[dict], plain_tps: float | None) -> dict:
+def summarise(name: str, runs: list[dict], plain_tps: float | None, plain_ll_tps: float | None = None) -> dict:
     tokens = sum(r["tokens"] for r in runs)
     seconds = sum(r["seconds"] for r in runs)
     row = {"system": name, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
@@ -123,6 +130,8 @@ def summarise(name: str, runs: list[dict], plain_tps: float | None) -> dict:
         row["verify_ms"] = 1e3 * sum(r["verify_s"] for r in runs) / max(1, rounds)
     if plain_tps:
         row["vs_plain"] = row["tokens_per_s"] / plain_tps
+    if plain_ll_tps:
+        row["vs_plain_ll"] = row["tokens_per_s"] / plain_ll_tps
     return row
 
 
@@ -172,17 +181,19 @@ def main(argv: list[str] | None = None) -> int:
             lossless["violations"] += not cmp["lossless"]
         log.info("prompt %d/%d done", i + 1, len(prompts))
     plain_tps = summarise("plain", runs["plain"], None)["tokens_per_s"] if "plain" in systems else None
-    table = [summarise(name, runs[name], plain_tps) for name in systems]
+    ll_tps = summarise("plain_ll", runs["plain_ll"], None)["tokens_per_s"] if "plain_ll" in systems else None
+    table = [summarise(name, runs[name], plain_tps, ll_tps) for name in systems]
     for r in runs.values():
         for x in r:
             x.pop("result", None)
 
-    print("\n| system | tokens/round | histogram (accepted 0..) | drafted/round | draft ms | verify ms | tokens/s | vs plain |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| system | tokens/round | histogram (accepted 0..) | drafted/round | draft ms | verify ms | tokens/s | vs plain | vs plain_ll |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in table:
         print(f"| {row['system']} | {row.get('tokens_per_round', float('nan')):.2f} | {row.get('histogram', '')} | "
               f"{row.get('drafted_per_round', float('nan')):.1f} | {row.get('draft_ms', float('nan')):.1f} | "
-              f"{row.get('verify_ms', float('nan')):.1f} | {row['tokens_per_s']:.1f} | {row.get('vs_plain', float('nan')):.2f} |")
+              f"{row.get('verify_ms', float('nan')):.1f} | {row['tokens_per_s']:.1f} | {row.get('vs_plain', float('nan')):.2f} | "
+              f"{row.get('vs_plain_ll', float('nan')):.2f} |")
     print(f"lossless (dflash vs plain greedy): {lossless}")
     if "hybrid" in systems:
         print(f"hybrid rounds: {drafters['hybrid'].rounds}")
