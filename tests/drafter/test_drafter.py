@@ -175,3 +175,29 @@ def test_toy_example_with_a_checkpoint(tmp_path):
     w.save_pretrained(tmp_path / "ckpt")
     assert toy_drafter.main(["--threads", "1", "--checkpoint", str(tmp_path / "ckpt"), "--max-new-tokens", "20", "--cap", "48",
                              "--no-oneshot"]) == 0
+
+
+def test_p_min_cuts_greedy_drafts_at_the_first_unsure_token(cpu):
+    d, w, embed, head = make_drafter(cpu)
+    feats = np.random.default_rng(5).standard_normal((60, w.cfg.fc_in)).astype(np.float32)
+    noise = d.noise_embed(9)
+    logits = reference_logits(w, feats, 60, 40, noise, head)[1:]
+    p_top = 1.0 / np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)
+    with d:
+        d.add_features(feats)
+        full = d.propose(9)
+    # a threshold between two rows' confidences: the draft stops before the first row under it
+    order = np.sort(p_top)
+    threshold = float((order[2] + order[3]) / 2)
+    first_unsure = int(np.nonzero(p_top < threshold)[0][0])
+    cut, _, _, _ = make_drafter(cpu)
+    cut.p_min = threshold
+    with cut:
+        cut.add_features(feats)
+        short = cut.propose(9)
+        assert short.tolist() == full[:first_unsure].tolist()
+        _, probs = cut.propose(9, temperature=1.0, rng=np.random.default_rng(0))  # sampling: never cut
+        assert probs.shape[0] == w.cfg.block_size - 1
+    for bad in (-0.1, 1.0, float("nan"), "0.5"):
+        with pytest.raises(ValueError, match="p_min"):
+            Drafter(w, embed_tokens=embed, lm_head=head, backend=cpu, cap=40, p_min=bad)
