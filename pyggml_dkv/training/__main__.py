@@ -1,4 +1,4 @@
-"""Command line: `python -m pyggml_dkv.training {generate,train,evaluate} ...` (docs/training.md)."""
+"""Command line: `python -m pyggml_dkv.training {generate,train,evaluate,export} ...` (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from ..hosts.smollm2 import smollm2_gguf
+    from ..model.weights import DraftWeights
+
+    weights = DraftWeights.from_pretrained(args.drafter)
+    out = weights.save_pretrained(args.out, format="gguf", dtype=args.dtype, vocab_from=args.model or smollm2_gguf())
+    logging.getLogger(__name__).info("wrote %s", out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pyggml_dkv.training", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -100,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--model", default=None)
     e.add_argument("--sequences", type=int, default=None)
     e.set_defaults(func=cmd_evaluate)
+    x = sub.add_parser("export", help="write a trained drafter as a llama.cpp dflash GGUF")
+    x.add_argument("--drafter", required=True, help="dflash checkpoint directory (a run's drafter/)")
+    x.add_argument("--out", required=True, help="the .gguf file to write")
+    x.add_argument("--dtype", default="q8_0", choices=["f32", "f16", "bf16", "q8_0"])
+    x.add_argument("--model", default=None, help="target GGUF whose tokenizer the file carries (default: SmolLM2)")
+    x.set_defaults(func=cmd_export)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     return args.func(args)

@@ -1,0 +1,46 @@
+"""The drafter shipped for SmolLM2-135M-Instruct: it is there, it fits, it is llama.cpp's dflash
+format, and in the real loop on held-out prompts it is lossless and accepts far more than random
+weights (pyggml_dkv/hosts/pretrained/RECIPE.md has the full measurement)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyggml_dkv import DraftWeights
+from pyggml_dkv.hosts.llama_cpp import SMOLLM2_LAYER_IDS
+from pyggml_dkv.hosts.pretrained import smollm2_drafter_path
+
+pytest.importorskip("gguf", reason="reading GGUF needs the gguf package")
+
+
+def test_the_shipped_drafter_is_a_small_dflash_gguf_of_the_smollm2_shape():
+    path = smollm2_drafter_path()
+    assert path.stat().st_size < 16 * 2**20
+    w = DraftWeights.from_pretrained(path)
+    cfg = w.cfg
+    assert (cfg.hidden, cfg.vocab, cfg.target_layer_ids) == (576, 49152, list(SMOLLM2_LAYER_IDS))
+    assert cfg.block_size == 8 and cfg.mask_token_id == 16
+    assert all(np.isfinite(np.asarray(a, dtype=np.float32)).all() for a in w.values())
+
+
+def test_the_shipped_drafter_accepts_in_the_real_loop():
+    pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python")
+    from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, LlamaTarget, SpeculativeGenerator, compare_to_plain,
+                                            ggml_drafter, plain_greedy)
+    from pyggml_dkv.training.prompts import HELD_OUT_PROMPTS
+    from tests.hosts.hosts_helpers import THREADS, smollm2_path
+
+    path = smollm2_path()
+    weights = DraftWeights.from_pretrained(smollm2_drafter_path())
+    rounds, emitted = 0, 0
+    with LlamaTarget(path, n_ctx=512, n_threads=THREADS, capture_layers=weights.cfg.target_layer_ids) as t:
+        with ggml_drafter(weights, str(path)) as drafter:
+            for text in HELD_OUT_PROMPTS[:4]:
+                prompt = t.tokenize(t.chat_prompt(text))
+                res = SpeculativeGenerator(t, drafter).generate(prompt, GenerationConfig(max_tokens=64))
+                assert compare_to_plain(res, plain_greedy(t, prompt, 64), 0.5)["lossless"]
+                rounds += len(res.stats.rounds)
+                emitted += sum(r.n_emitted for r in res.stats.rounds)
+    # random weights give 1.00-1.05 tokens per round here
+    assert emitted / rounds > 1.5, emitted / rounds
