@@ -32,7 +32,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(data=list(args.data), out=args.out, model=str(args.model or smollm2_gguf()), draft=draft,
                       init_layers=list(args.init_layers or []), epochs=args.epochs, seqs_per_step=args.seqs_per_step,
                       anchors_per_seq=args.anchors, lr=args.lr, gamma=args.gamma, seed=args.seed, threads=args.threads,
-                      eval_data=args.eval_data, save_every=args.save_every, warmup_steps=args.warmup)
+                      eval_data=args.eval_data, scale_features=args.scale_features, save_every=args.save_every, warmup_steps=args.warmup)
     record = train(cfg, max_steps=args.max_steps)
     logging.getLogger(__name__).info("last record: %s", record)
     return 0
@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--gamma", type=float, default=4.0, help="loss weight exp(-(k-1)/gamma) of block row k")
+    t.add_argument("--scale-features", action="store_true",
+                   help="train fc as if each feature column were normalised (measured: no gain; docs/training.md)")
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
     t.add_argument("--threads", type=int, default=2)

@@ -190,17 +190,29 @@ class Corpus:
 
 
 def load_corpus(data_dirs: str | Path | Sequence[str | Path], max_shards: int | None = None) -> Corpus:
-    """Every shard of one or several data directories (the first max_shards of each)."""
+    """Every shard of one or several data directories (the first max_shards of each), in memory.
+    The features are copied shard by shard into one preallocated array (peak memory: the data
+    plus one shard)."""
     dirs = [data_dirs] if isinstance(data_dirs, (str, Path)) else list(data_dirs)
     paths = [p for d in dirs for p in shard_paths(Path(d))[:max_shards]]
     if not paths:
         raise FileNotFoundError(f"no shards in {dirs}")
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("tokens", "features", "greedy", "starts", "lengths",
+    small: dict[str, list[np.ndarray]] = {k: [] for k in ("tokens", "greedy", "starts", "lengths",
                                                           "prompt_lengths", "prompt_index")}
-    offset = 0
-    for p in paths:
+    widths = set()
+    for p in paths:  # first pass: everything but the features, and their sizes
         with np.load(p) as z:
-            for k in parts:
-                parts[k].append(z[k] + offset if k == "starts" else z[k])
-            offset += int(z["tokens"].size)
-    return Corpus(**{k: np.concatenate(v) for k, v in parts.items()})
+            for k in small:
+                small[k].append(z[k])
+            widths.add(int(z["features"].shape[1]) if z["features"].ndim == 2 else -1)
+    if len(widths) != 1:
+        raise ValueError(f"the shards' features have different widths {sorted(widths)}")
+    sizes = [t.size for t in small["tokens"]]
+    features = np.empty((sum(sizes), widths.pop()), dtype=np.float32)
+    offset = 0
+    for p, n, starts in zip(paths, sizes, small["starts"]):
+        with np.load(p) as z:
+            features[offset:offset + n] = z["features"]
+        starts += offset
+        offset += n
+    return Corpus(features=features, **{k: np.concatenate(v) for k, v in small.items()})

@@ -13,6 +13,7 @@ import transformers
 from dflash import model as dflash_model
 
 from ..model.config import DraftConfig
+from ..model.tensor_names import expected_shapes
 from ..model.weights import DraftWeights
 
 
@@ -49,10 +50,51 @@ def load_weights(model: torch.nn.Module, weights: DraftWeights) -> None:
 
 
 def to_draft_weights(model: torch.nn.Module, cfg: DraftConfig) -> DraftWeights:
-    """The model's parameters as DraftWeights (float32 host arrays)."""
-    tensors = {name: p.detach().float().cpu().numpy().copy() for name, p in model.state_dict().items()
-               if "rotary" not in name}
+    """The model's effective tensors as DraftWeights (float32 host arrays); a reparametrised
+    weight (feature scaling) is written as the model computes with it."""
+    tensors = {}
+    for name in expected_shapes(cfg):
+        module_path, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_path) if module_path else model
+        tensors[name] = getattr(module, attr).detach().float().cpu().numpy().copy()
     return DraftWeights(cfg, tensors)
+
+
+class _DivideColumns(torch.nn.Module):
+    """weight -> weight / scale per input column (a torch parametrization)."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("scale", scale)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight / self.scale
+
+
+def scale_features(model: torch.nn.Module, scale: np.ndarray) -> None:
+    """Train fc as if its input features were divided by `scale` (per feature column).
+
+    The target's features span orders of magnitude between channels (a few channels of the upper
+    layers are hundreds of times the median): with Adam, every weight moves by about the learning
+    rate, so the output moves by lr x the channel's scale and the small channels barely learn.
+    fc.weight is reparametrised as W / scale: the model still reads raw features (inference is
+    unchanged, the saved fc is the effective W / scale) while the optimiser works on W, as if the
+    features were normalised."""
+    from torch.nn.utils import parametrize
+
+    s = torch.from_numpy(np.ascontiguousarray(scale, np.float32))
+    if s.shape != (model.fc.weight.shape[1],):
+        raise ValueError(f"feature scale must have {model.fc.weight.shape[1]} values, got {tuple(s.shape)}")
+    with torch.no_grad():
+        model.fc.weight.mul_(s)  # same effective weight as before
+    parametrize.register_parametrization(model.fc, "weight", _DivideColumns(s))
+
+
+def feature_scale(features: np.ndarray, rows: int = 20000, seed: int = 0, floor: float = 1e-3) -> np.ndarray:
+    """Per-column RMS of the features over a fixed random sample of rows."""
+    idx = np.sort(np.random.default_rng(seed).choice(features.shape[0], min(rows, features.shape[0]), replace=False))
+    sample = np.asarray(features[idx], dtype=np.float64)
+    return np.maximum(np.sqrt((sample * sample).mean(axis=0)), floor).astype(np.float32)
 
 
 def unpermute_llama_qk(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -23,7 +23,7 @@ import torch
 from ..model.config import DraftConfig
 from .data import load_corpus
 from .evaluate import offline_acceptance
-from .model import init_from_target, new_model, to_draft_weights
+from .model import feature_scale, init_from_target, new_model, scale_features, to_draft_weights
 from .objective import Frozen, anchor_range, sequence_loss
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     gamma: float = 4.0
     grad_clip: float = 1.0
+    scale_features: bool = False  # train fc on per-column normalised features (model.scale_features)
     bf16: bool = True  # autocast the drafter's products to bf16 (float32 weights, optimizer and loss)
     seed: int = 0
     threads: int = 2
@@ -98,6 +99,8 @@ def train(cfg: TrainConfig, *, max_steps: int | None = None) -> dict:
         from ..hosts.llama_cpp.gguf import GGUFFile
 
         init_from_target(model, dcfg, GGUFFile(cfg.model), cfg.init_layers)
+    if cfg.scale_features:
+        scale_features(model, feature_scale(corpus.features, seed=cfg.seed))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},

@@ -106,3 +106,28 @@ def test_the_loss_falls_on_one_sequence():
         opt.step()
         losses.append(float(loss))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_feature_scaling_is_a_reparametrisation_the_saved_drafter_does_not_see():
+    from pyggml_dkv.training.model import feature_scale, scale_features
+
+    tokens, feats, embed, head = toy_sequence()
+    feats[:, 7] *= 300.0  # one massive channel
+    scale = feature_scale(feats)
+    assert scale[7] > 100 * np.median(scale)
+    model = new_model(CFG, seed=0)
+    before = to_draft_weights(model, CFG)
+    frozen = Frozen.from_arrays(embed, head)
+    anchors = np.array([3, 30, 60])
+    with torch.no_grad():
+        out_before = draft_hidden(model, feats, tokens, anchors, frozen)
+    scale_features(model, scale)
+    after = to_draft_weights(model, CFG)
+    with torch.no_grad():
+        out_after = draft_hidden(model, feats, tokens, anchors, frozen)
+    assert set(after) == set(before)
+    np.testing.assert_allclose(after["fc.weight"], before["fc.weight"], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(out_after, out_before, rtol=1e-5, atol=1e-6)
+    # the optimiser now moves the normalised weight: column 7's effective step is 1/scale as large
+    raw = model.fc.parametrizations.weight.original
+    assert torch.allclose(model.fc.weight, raw / torch.from_numpy(scale))
