@@ -6,7 +6,9 @@
 Every system decodes the same held-out prompts (pyggml_dkv.training.prompts.HELD_OUT_PROMPTS,
 never trained on) greedily, with the same threads, in one run; per prompt the systems run one
 after another in a rotating order so that the machine's noise is shared. Tokens/s are end to end
-(prompt processing included) per prompt, summed over prompts.
+(prompt processing included) per prompt, summed over prompts. OpenMP's wait policy is left at its
+default: llama.cpp's (unpatched) ggml under OMP_WAIT_POLICY=PASSIVE sleeps at every graph node's
+barrier, which made one SmolLM2 token cost 19 ms instead of ~7 on two threads here.
 
   plain        llama-cpp-python's `Llama.create_completion`, temperature 0
   plain_ll     plain greedy decoding on llama-cpp-python's low-level API (our `plain_greedy` on a
@@ -28,15 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import platform
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, LlamaTarget, SpeculativeGenerator,  # noqa: E402
                                         compare_to_plain, ggml_drafter, plain_greedy)

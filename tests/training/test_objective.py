@@ -104,7 +104,7 @@ def test_the_loss_falls_on_one_sequence():
         loss, stats = sequence_loss(model, frozen, tokens, feats, greedy, anchors, gamma=4.0)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[-1] < 0.5 * losses[0], losses
 
 

@@ -117,7 +117,7 @@ class HybridDrafter:
         self.cfg = dflash.cfg
         self.vocab = dflash.vocab
         self.ngram = NgramDrafter(dflash.cfg, dflash.vocab, max_ngram=max_ngram, min_ngram=min_ngram, n_pred=n_pred)
-        self.rounds = {"ngram": 0, "dflash": 0}
+        self.rounds = {"ngram": 0, "dflash": 0}  # which drafter drafted, over every generation
 
     @property
     def committed(self) -> int:
@@ -137,7 +137,6 @@ class HybridDrafter:
     def reset(self) -> None:
         self.dflash.reset()
         self.ngram.reset()
-        self.rounds = {"ngram": 0, "dflash": 0}
 
     def propose(self, last_token: int, *, temperature: float = 0.0, **kwargs: Any) -> Any:
         if temperature != 0:
