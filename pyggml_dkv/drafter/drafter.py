@@ -131,8 +131,9 @@ class Drafter:
                 rng: np.random.Generator | None = None) -> Any:
         """Draft block_size-1 tokens after `last_token` (the last accepted token) in one graph compute.
 
-        Greedy (temperature 0): returns the token ids (cut before the first one under `p_min`). Sampling: returns `(ids, probs)` where
-        probs[i] is the distribution draft token i was drawn from, for the host's rejection sampling.
+        Greedy (temperature 0): returns the token ids (cut before the first one the drafter gives
+        less than `p_min`). Sampling: returns `(ids, probs)` where probs[i] is the distribution
+        draft token i was drawn from, for the host's rejection sampling (never cut).
         """
         if self.committed <= 0:
             raise ValueError("propose() needs the features of at least one committed token (add_features first)")
