@@ -14,7 +14,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .prompts import HELD_OUT_PROMPTS, training_prompts
 
     recipe = DataRecipe(model=str(args.model or smollm2_gguf()), layer_ids=list(args.layers or SMOLLM2_LAYER_IDS),
-                        max_new_tokens=args.max_new_tokens, seed=args.seed, prompt_seed=args.prompt_seed)
+                        max_new_tokens=args.max_new_tokens, seed=args.seed, prompt_seed=args.prompt_seed,
+                        prompt_set="held-out" if args.held_out else "training")
     prompts = list(HELD_OUT_PROMPTS) if args.held_out else training_prompts(args.prompt_seed)
     prompts = prompts[:args.prompts]
     counts = generate(args.out, prompts, recipe, kinds=args.kinds, minutes=args.minutes, n_threads=args.threads)

@@ -9,9 +9,9 @@ token at a time. Two kinds of continuation:
   greedy. The sampled start sends the greedy tail down another path, so one prompt yields
   several distinct greedy continuations.
 
-Each token is stored with its captured features (float32, as captured) and a flag `greedy` telling whether it
-is the target's argmax after its prefix: only such tokens are labels for the drafter (a sampled
-token, or a prompt token, is context only).
+Each token is stored with its captured features (float32, as captured) and a flag `greedy`
+telling whether it is the target's argmax after its prefix: only such tokens are labels for the
+drafter (a sampled token, or a prompt token, is context only).
 
 A data directory holds shards `shard-NNNNN.npz` (tokens int32, features float32 (n, fc_in),
 greedy bool, starts/prompt_lengths per sequence, the prompt indices and kinds) and `data.json`
@@ -43,6 +43,7 @@ class DataRecipe:
     warm_temperature: float = 0.8
     seed: int = 0
     prompt_seed: int = 0
+    prompt_set: str = "training"  # "training" or "held-out" (pyggml_dkv.training.prompts)
     shard_sequences: int = 32
 
 

@@ -123,3 +123,21 @@ def test_a_stopped_and_resumed_run_equals_one_done_at_once(data_dir, tmp_path):
         assert torch.equal(a["model"][name], b["model"][name]), name
     with pytest.raises(ValueError, match="another recipe"):
         train(tiny_run(out, tmp_path / "once", lr=1e-4), max_steps=1)
+
+
+def test_the_command_line_generates_trains_evaluates_and_exports(tmp_path, capsys):
+    from pyggml_dkv.training.__main__ import main
+
+    data, run, gguf = tmp_path / "data", tmp_path / "run", tmp_path / "d.gguf"
+    common = ["--model", str(smollm2_path()), "--threads", str(THREADS)]
+    assert main(["generate", "--out", str(data), "--prompts", "2", "--max-new-tokens", "8", "--kinds", "greedy",
+                 *common]) == 0
+    assert json.loads((data / "data.json").read_text())["recipe"]["prompt_set"] == "training"
+    assert main(["train", "--data", str(data), "--out", str(run), "--layers", "1", "--seqs-per-step", "2",
+                 "--epochs", "2", "--warmup", "1", "--save-every", "1", *common]) == 0
+    assert main(["export", "--drafter", str(run / "drafter"), "--out", str(gguf), "--model", str(smollm2_path())]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", "--drafter", str(gguf), "--data", str(data), "--model", str(smollm2_path())]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["sequences"] == 2 and result["tokens_per_round"] >= 1.0
+    assert DraftWeights.from_pretrained(gguf).cfg.n_layer == 1
