@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import sys
 import time
 from pathlib import Path
@@ -45,20 +44,12 @@ from pyggml_dkv.hosts.smollm2 import smollm2_gguf  # noqa: E402
 from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
 from pyggml_dkv.training.prompts import HELD_OUT_PROMPTS  # noqa: E402
 
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py: this script's folder is on sys.path)
+
 log = logging.getLogger("bench_drafter")
 OURS = ("dflash", "dflash_pmin", "ngram", "hybrid")
 LLAMA = ("plain", "plain_ll", "pld4", "pld10")
 NEAR_TIE = 0.5
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class LlamaSystems:

@@ -32,7 +32,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -52,22 +51,14 @@ from pyggml_dkv.model.config import DraftConfig  # noqa: E402
 from pyggml_dkv.model.stored import upload_stored  # noqa: E402
 from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
 
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py: this script's folder is on sys.path)
+
 log = logging.getLogger("bench_llama_cpp")
 
 SMALL = dict(hidden=1024, n_layer=5, n_head=16, n_head_kv=4, head_dim=64, ffn=3072, block_size=16, n_target_layers=5)
 N_VOCAB = 49152
 WINDOWS = (64, 256, 1024, 2048, 4096)
 GOAL = 0.5
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def stats(samples: list[float]) -> dict:

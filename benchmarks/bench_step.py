@@ -125,6 +125,7 @@ if str(HERE) not in sys.path:
 
 from pyggml_dkv.ggml import cpu_features, cuda_graph_stats  # noqa: E402
 from peak_probe import probe_peaks  # noqa: E402
+from machine import cpu_name  # noqa: E402
 from step_config import (  # noqa: E402
     CAP,
     CONFIGS,
@@ -209,15 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def machine_info(args: argparse.Namespace) -> dict:
     from pyggml_dkv.ggml import version
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "n_cpus": os.cpu_count(), "threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+    info = {"cpu": cpu_name(), "n_cpus": os.cpu_count(), "threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, "python": platform.python_version(),
             "numpy": np.__version__, "ggml": version()}
     if any(s in TORCH_SYSTEMS for s in args.systems):
