@@ -127,5 +127,5 @@ def init_from_target(model: torch.nn.Module, cfg: DraftConfig, gguf, target_laye
             key = f"layers.{i}.{ours}"
             if tuple(state[key].shape) != arr.shape:
                 raise ValueError(f"{key}: drafter shape {tuple(state[key].shape)}, target blk.{t} {arr.shape}")
-            state[key].copy_(torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)))
-    state["norm.weight"].copy_(torch.from_numpy(np.ascontiguousarray(gguf.array("output_norm.weight"), np.float32)))
+            state[key].copy_(torch.tensor(np.asarray(arr, dtype=np.float32)))
+    state["norm.weight"].copy_(torch.tensor(np.asarray(gguf.array("output_norm.weight"), np.float32)))

@@ -131,3 +131,26 @@ def test_feature_scaling_is_a_reparametrisation_the_saved_drafter_does_not_see()
     # the optimiser now moves the normalised weight: column 7's effective step is 1/scale as large
     raw = model.fc.parametrizations.weight.original
     assert torch.allclose(model.fc.weight, raw / torch.from_numpy(scale))
+
+
+def test_init_from_target_copies_the_target_layers_in_the_drafter_s_layout():
+    pytest.importorskip("gguf", reason="reading the target GGUF needs the gguf package")
+    from pyggml_dkv.hosts.llama_cpp.gguf import GGUFFile
+    from pyggml_dkv.hosts.llama_cpp import smollm2_draft_config
+    from pyggml_dkv.training.model import init_from_target
+    from tests.hosts.hosts_helpers import smollm2_path
+
+    gguf = GGUFFile(smollm2_path())
+    cfg = smollm2_draft_config(n_layer=2, block_size=8)
+    model = new_model(cfg, seed=0)
+    init_from_target(model, cfg, gguf, [28, 29])
+    w = to_draft_weights(model, cfg)
+    np.testing.assert_array_equal(w["layers.1.mlp.up_proj.weight"], gguf.array("blk.29.ffn_up.weight"))
+    np.testing.assert_array_equal(w["layers.0.self_attn.q_proj.weight"],
+                                  unpermute_llama_qk(gguf.array("blk.28.attn_q.weight"), cfg.n_head))
+    np.testing.assert_array_equal(w["layers.0.self_attn.k_proj.weight"],
+                                  unpermute_llama_qk(gguf.array("blk.28.attn_k.weight"), cfg.n_head_kv))
+    np.testing.assert_array_equal(w["norm.weight"], gguf.array("output_norm.weight"))
+    np.testing.assert_array_equal(w["layers.0.self_attn.q_norm.weight"], np.ones(cfg.head_dim, np.float32))
+    with pytest.raises(ValueError, match="one target layer per drafter layer"):
+        init_from_target(model, cfg, gguf, [28])
