@@ -1,10 +1,11 @@
-"""Command line: `python -m pyggml_dkv.training {generate,train,evaluate,export} ...` (docs/training.md)."""
+"""Command line: `python -m pyggml_dkv.training {generate,train,evaluate,export,pack,gpu-run} ...` (docs/training.md)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -39,17 +40,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_drafter(spec: str):
+    """A dflash checkpoint directory or .gguf, or a gpu-run's weight parts (OUT/drafter-4l: the
+    prefix of OUT/drafter-4l.part0.npz ...)."""
+    from ..model.weights import DraftWeights
+    from .gpu_run import load_parts
+
+    path = Path(spec)
+    if path.with_name(path.name + ".part0.npz").is_file():
+        return load_parts(path.parent, path.name)
+    return DraftWeights.from_pretrained(spec)
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
     from ..hosts.smollm2 import smollm2_gguf
-    from ..model.weights import DraftWeights
     from .data import load_corpus
     from .evaluate import offline_acceptance
     from .model import load_weights, new_model
     from .train import frozen_from_gguf
 
-    weights = DraftWeights.from_pretrained(args.drafter)
+    weights = read_drafter(args.drafter)
     model = new_model(weights.cfg, 0)
     load_weights(model, weights)
     result = offline_acceptance(model, frozen_from_gguf(str(args.model or smollm2_gguf())), load_corpus(args.data),
@@ -60,11 +72,43 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from ..hosts.smollm2 import smollm2_gguf
-    from ..model.weights import DraftWeights
 
-    weights = DraftWeights.from_pretrained(args.drafter)
+    weights = read_drafter(args.drafter)
     out = weights.save_pretrained(args.out, format="gguf", dtype=args.dtype, vocab_from=args.model or smollm2_gguf())
     logging.getLogger(__name__).info("wrote %s", out)
+    return 0
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from ..hosts.smollm2 import smollm2_gguf
+    from .selfgen import prompt_pack
+
+    out = prompt_pack(str(args.model or smollm2_gguf()), args.out, args.prompt_seed)
+    logging.getLogger(__name__).info("wrote %s", out)
+    return 0
+
+
+def cmd_gpu_run(args: argparse.Namespace) -> int:
+    import json
+
+    from .gpu_run import GpuRecipe, run
+
+    if args.draft:  # a machine without our ggml extension cannot import the host's drafters module
+        draft = json.loads(Path(args.draft).read_text())
+    else:
+        from ..hosts.llama_cpp.drafters import SMOLLM2_LAYER_IDS, smollm2_draft_config
+
+        draft = smollm2_draft_config(n_layer=args.layers[0], block_size=args.block_size, mask_token_id=args.mask_token,
+                                     target_layer_ids=list(SMOLLM2_LAYER_IDS)).to_dict()
+    recipe = GpuRecipe(pack=args.pack, model=args.model, out=args.out, draft=draft, layers=list(args.layers),
+                       minutes=args.minutes, data_share=args.data_share, self_prompts=args.self_prompts,
+                       template_prompts=args.template_prompts, held_out_prompts=args.held_out_prompts,
+                       prompt_batch=args.prompt_batch, answer_batch=args.answer_batch,
+                       max_new_tokens=args.max_new_tokens, seqs_per_step=args.seqs_per_step,
+                       anchors_per_seq=args.anchors, lr=args.lr, warmup_steps=args.warmup,
+                       save_minutes=args.save_minutes, seed=args.seed, device=args.device)
+    record = run(recipe)
+    logging.getLogger(__name__).info("last record: %s", record)
     return 0
 
 
@@ -108,17 +152,46 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("evaluate", help="offline replay of greedy speculative decoding on held-out data")
-    e.add_argument("--drafter", required=True, help="dflash checkpoint directory or dflash .gguf")
+    e.add_argument("--drafter", required=True, help="dflash checkpoint directory, dflash .gguf or gpu-run parts (OUT/drafter-2l)")
     e.add_argument("--data", required=True, nargs="+")
     e.add_argument("--model", default=None)
     e.add_argument("--sequences", type=int, default=None)
     e.set_defaults(func=cmd_evaluate)
     x = sub.add_parser("export", help="write a trained drafter as a llama.cpp dflash GGUF")
-    x.add_argument("--drafter", required=True, help="dflash checkpoint directory (a run's drafter/)")
+    x.add_argument("--drafter", required=True, help="a run's drafter/ directory or gpu-run parts (OUT/drafter-2l)")
     x.add_argument("--out", required=True, help="the .gguf file to write")
     x.add_argument("--dtype", default="q8_0", choices=["f32", "f16", "bf16", "q8_0"])
     x.add_argument("--model", default=None, help="target GGUF whose tokenizer the file carries (default: SmolLM2)")
     x.set_defaults(func=cmd_export)
+    k = sub.add_parser("pack", help="tokenize the prompts of a gpu-run with the llama.cpp host (a small .npz)")
+    k.add_argument("--out", required=True)
+    k.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct Q4_1)")
+    k.add_argument("--prompt-seed", type=int, default=0)
+    k.set_defaults(func=cmd_pack)
+    r = sub.add_parser("gpu-run", help="self-distilled data on the PyTorch target and training, on one GPU, in MINUTES")
+    r.add_argument("--pack", required=True, help="the prompt pack (python -m pyggml_dkv.training pack)")
+    r.add_argument("--model", required=True, help="target GGUF")
+    r.add_argument("--out", required=True)
+    r.add_argument("--layers", type=int, nargs="+", default=[2], help="drafter depths, trained side by side")
+    r.add_argument("--block-size", type=int, default=8)
+    r.add_argument("--mask-token", type=int, default=16)
+    r.add_argument("--draft", default=None, help="DraftConfig fields as JSON (default: SmolLM2's drafter shape)")
+    r.add_argument("--minutes", type=float, default=8.0, help="wall clock of the whole run")
+    r.add_argument("--data-share", type=float, default=0.4, help="at most this share of it for data and features")
+    r.add_argument("--self-prompts", type=int, default=16384, help="user requests the target writes itself")
+    r.add_argument("--template-prompts", type=int, default=None, help="the first N template prompts (default all)")
+    r.add_argument("--held-out-prompts", type=int, default=None)
+    r.add_argument("--prompt-batch", type=int, default=2048)
+    r.add_argument("--answer-batch", type=int, default=1024)
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--seqs-per-step", type=int, default=32)
+    r.add_argument("--anchors", type=int, default=64)
+    r.add_argument("--lr", type=float, default=1e-3)
+    r.add_argument("--warmup", type=int, default=100)
+    r.add_argument("--save-minutes", type=float, default=1.5)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--device", default="cuda")
+    r.set_defaults(func=cmd_gpu_run)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     return args.func(args)

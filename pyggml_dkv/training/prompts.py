@@ -98,6 +98,15 @@ HELD_OUT_PROMPTS = (
 )
 
 
+# The first words of a user request (gpu runs: the target writes the rest itself, selfgen.py).
+REQUEST_OPENERS = (
+    "Write", "Explain", "What", "How", "Give me", "Can you", "Describe", "List", "Tell me", "Why",
+    "Create", "Compare", "Help me", "I need", "Summarize", "Plan", "Is it", "Which", "Who", "When",
+    "Where", "Please", "Make", "Suggest", "Show me", "Calculate", "Find", "Should I", "I want to",
+    "Generate",
+)
+
+
 def training_prompts(seed: int = 0) -> list[str]:
     """Every template crossed with every subject, shuffled with `seed` (1,952 prompts)."""
     prompts = [t.format(s=s) for s in SUBJECTS for t in TEMPLATES]

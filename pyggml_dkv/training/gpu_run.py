@@ -1,0 +1,269 @@
+"""One self-contained training run on a GPU: self-distilled data from the PyTorch target, then
+several drafters trained side by side on it until a wall-clock deadline.
+
+    python -m pyggml_dkv.training gpu-run --pack prompts.npz --model SmolLM2.gguf --out OUT --minutes 8
+
+Phases (each logged to OUT/log.jsonl):
+1. data: the target writes `self_prompts` user requests and answers them greedily; the template
+   prompts are answered greedily and "warm"; the held-out prompts greedily (evaluation only);
+2. features: a teacher-forced pass over every sequence gives the features of the drafter's target
+   layers and the target's argmax (the `greedy` flags), kept on the GPU in bfloat16;
+3. training: each drafter shape in `layers` gets its own AdamW, the same batches, warm-up and
+   cosine decay over the number of steps the remaining time allows (measured on the first steps);
+   every `save_minutes` the weights are written (float16 .npz parts small enough to copy back
+   from a rented machine) with the held-out replay of each.
+
+The drafters it writes are measured again on the host's own features before they are used
+(`python -m pyggml_dkv.training evaluate`): that is the number that counts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..model.config import DraftConfig
+from ..model.weights import DraftWeights
+from .batched import DeviceCorpus, batch_acceptance, batch_loss, choose_anchors
+from .model import new_model, to_draft_weights
+from .selfgen import continue_prompts, self_prompts, unpack
+from .torch_target import TorchLlama, features_and_argmax
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GpuRecipe:
+    pack: str  # selfgen.prompt_pack output
+    model: str  # the target GGUF
+    out: str
+    draft: dict  # DraftConfig fields shared by every drafter (n_layer comes from `layers`)
+    layers: list[int] = field(default_factory=lambda: [2])
+    minutes: float = 8.0  # wall clock for the whole run, load to last save
+    data_share: float = 0.4  # at most this share of the time goes to phases 1-2
+    self_prompts: int = 16384
+    template_prompts: int | None = None  # the first N template prompts (None: all)
+    held_out_prompts: int | None = None
+    prompt_batch: int = 2048
+    answer_batch: int = 1024
+    max_new_tokens: int = 256
+    warm_tokens: int = 4
+    seqs_per_step: int = 32
+    anchors_per_seq: int = 64
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    gamma: float = 4.0
+    grad_clip: float = 1.0
+    save_minutes: float = 1.5
+    seed: int = 0
+    device: str = "cuda"
+
+
+def save_parts(weights: DraftWeights, out_dir: Path, name: str, max_bytes: int = 15 << 20) -> list[Path]:
+    """The weights as float16 `NAME.partK.npz` files of at most ~max_bytes each (the config, as
+    JSON, rides in part 0): small enough to copy back from a rented machine."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob(f"{name}.part*.npz"):
+        old.unlink()
+    parts: list[dict[str, np.ndarray]] = [{"__config__": np.array(json.dumps(weights.cfg.to_dict()))}]
+    size = 0
+    for key, arr in weights.items():
+        a = np.asarray(arr, np.float16)
+        if len(parts[-1]) > 1 and size + a.nbytes > max_bytes:
+            parts.append({})
+            size = 0
+        parts[-1][key] = a
+        size += a.nbytes
+    paths = []
+    for i, part in enumerate(parts):
+        p = out_dir / f"{name}.part{i}.npz"
+        np.savez(p, **part)
+        paths.append(p)
+    return paths
+
+
+def load_parts(out_dir: str | Path, name: str) -> DraftWeights:
+    """save_parts' files back as DraftWeights (float32)."""
+    paths = sorted(Path(out_dir).glob(f"{name}.part*.npz"), key=lambda p: int(p.name.rsplit("part", 1)[1][:-4]))
+    if not paths:
+        raise FileNotFoundError(f"no {name}.part*.npz in {out_dir}")
+    tensors, cfg = {}, None
+    for p in paths:
+        with np.load(p) as z:
+            for k in z.files:
+                if k == "__config__":
+                    cfg = DraftConfig(**json.loads(str(z[k])))
+                else:
+                    tensors[k] = z[k].astype(np.float32)
+    if cfg is None:
+        raise ValueError(f"{paths[0]} holds no __config__")
+    return DraftWeights(cfg, tensors)
+
+
+class RunLog:
+    def __init__(self, path: Path) -> None:
+        self.f = open(path, "a")
+
+    def write(self, **record) -> None:
+        log.info("%s", record)
+        self.f.write(json.dumps(record) + "\n")
+        self.f.flush()
+
+
+def build_data(target: TorchLlama, r: GpuRecipe, deadline: float, runlog: RunLog
+               ) -> tuple[DeviceCorpus, DeviceCorpus, list[np.ndarray], list[int]]:
+    """Phases 1-2: (training corpus, held-out corpus, training sequences, their prompt lengths)."""
+    pack = np.load(r.pack)
+    eog = set(int(t) for t in pack["eog"])
+    layers = tuple(DraftConfig(**r.draft).target_layer_ids)
+    t0 = time.monotonic()
+    held, held_plen = continue_prompts(target, unpack(pack["held_flat"], pack["held_len"])[:r.held_out_prompts],
+                                       eog, batch=r.answer_batch, max_new=r.max_new_tokens)
+    templates = unpack(pack["train_flat"], pack["train_len"])[:r.template_prompts]
+    seqs, plens = continue_prompts(target, templates, eog, batch=r.answer_batch, max_new=r.max_new_tokens)
+    warm, warm_plen = continue_prompts(target, templates, eog, batch=r.answer_batch, max_new=r.max_new_tokens,
+                                       warm_tokens=r.warm_tokens, seed=r.seed + 1)
+    seqs, plens = seqs + warm, plens + warm_plen
+    runlog.write(phase="templates", sequences=len(seqs), held_out=len(held), seconds=round(time.monotonic() - t0, 1))
+    # what is left of the data time: a third for writing prompts, half for answering them, the
+    # rest in reserve for the features pass
+    now = time.monotonic()
+    prompts = self_prompts(target, pack, r.self_prompts, batch=r.prompt_batch, seed=r.seed + 2, deadline=now + 0.3 * (deadline - now))
+    gen_deadline = now + 0.8 * (deadline - now)
+    runlog.write(phase="self_prompts", prompts=len(prompts), seconds=round(time.monotonic() - t0, 1))
+    answers, answer_plen = continue_prompts(target, prompts, eog, batch=r.answer_batch, max_new=r.max_new_tokens,
+                                            deadline=gen_deadline)
+    seqs, plens = seqs + answers, plens + answer_plen
+    runlog.write(phase="answers", sequences=len(seqs), tokens=int(sum(s.size for s in seqs)),
+                 new_tokens=int(sum(s.size - p for s, p in zip(seqs, plens))), seconds=round(time.monotonic() - t0, 1))
+
+    def corpus(sequences: list[np.ndarray], prompt_lengths: list[int], chunk: int = 64) -> tuple[DeviceCorpus, float]:
+        c = DeviceCorpus.allocate(sequences, prompt_lengths, DraftConfig(**r.draft).fc_in, torch.bfloat16, target.device)
+        agree = []
+        for lo in range(0, len(sequences), chunk):
+            part = sequences[lo:lo + chunk]
+            feats, argmax = features_and_argmax(target, part, layers, torch.bfloat16)
+            for i, (s, f, a) in enumerate(zip(part, feats, argmax), start=lo):
+                g = np.zeros(s.size, bool)
+                g[1:] = s[1:] == a[:-1]  # token t is the target's argmax after tokens [0, t)
+                c.fill(i, f, g)
+                agree.append(g[prompt_lengths[i]:].mean() if s.size > prompt_lengths[i] else 1.0)
+        return c, float(np.mean(agree))
+
+    (train_corpus, agree), (held_corpus, _) = corpus(seqs, plens), corpus(held, held_plen)
+    runlog.write(phase="features", sequences=train_corpus.n_sequences, generated_argmax_agreement=agree,
+                 seconds=round(time.monotonic() - t0, 1))
+    return train_corpus, held_corpus, seqs, plens
+
+
+def drafter_config(draft: dict, n_layer: int) -> DraftConfig:
+    """`draft` at depth n_layer (every layer of the kind of its first)."""
+    fields = {**draft, "n_layer": n_layer}
+    if fields.get("layer_types"):
+        fields["layer_types"] = [fields["layer_types"][0]] * n_layer
+    return DraftConfig(**fields)
+
+
+def lr_at(step: int, total: int, r: GpuRecipe) -> float:
+    if step < r.warmup_steps:
+        return r.lr * (step + 1) / r.warmup_steps
+    t = (step - r.warmup_steps) / max(1, total - r.warmup_steps)
+    return r.lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def run(r: GpuRecipe) -> dict:
+    start = time.monotonic()
+    end = start + 60 * r.minutes
+    out = Path(r.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runlog = RunLog(out / "log.jsonl")
+    runlog.write(phase="recipe", recipe=asdict(r))
+    dev = torch.device(r.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the target in true float32
+    target = TorchLlama.from_gguf(r.model, dev)
+    runlog.write(phase="load", seconds=round(time.monotonic() - start, 1), device=str(dev))
+    corpus, held, seqs, plens = build_data(target, r, start + 60 * r.minutes * r.data_share, runlog)
+    np.savez_compressed(out / "tokens.npz", tokens=np.concatenate(seqs).astype(np.uint16 if target.shape.vocab <= 1 << 16 else np.int32),
+                        lengths=np.array([s.size for s in seqs]), prompt_lengths=np.array(plens))
+    embed = target.w["token_embd"]
+    lm_head = target.w["output"].to(torch.bfloat16)
+    del target.w
+    torch.cuda.empty_cache() if dev.type == "cuda" else None
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    models, opts, cfgs = [], [], []
+    for n_layer in r.layers:
+        cfg = drafter_config(r.draft, n_layer)
+        m = new_model(cfg, r.seed).to(dev)
+        decay = [p for p in m.parameters() if p.ndim >= 2]
+        no_decay = [p for p in m.parameters() if p.ndim < 2]
+        opts.append(torch.optim.AdamW([{"params": decay, "weight_decay": r.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=r.lr, betas=(0.9, 0.95)))
+        models.append(m)
+        cfgs.append(cfg)
+    rng = np.random.default_rng(r.seed)
+    order = np.array([], np.int64)
+    step, total = 0, None
+    t_train = time.monotonic()
+    next_save = t_train + 60 * r.save_minutes
+    stats = [{"loss": 0.0, "n": 0, "correct": 0, "valid": 0} for _ in models]
+    record: dict = {}
+    while True:
+        now = time.monotonic()
+        if total is None and step == 20:  # the schedule's length from the measured step time
+            per_step = (now - t_train) / step
+            total = max(step + 1, int((end - 60 * 0.4 - t_train) / per_step))
+            runlog.write(phase="schedule", seconds_per_step=round(per_step, 4), steps=total)
+        if (total is not None and step >= total) or now > end - 60 * 0.4:
+            break
+        if order.size < r.seqs_per_step:
+            order = np.concatenate([order, rng.permutation(corpus.n_sequences)])
+        rows, order = order[:r.seqs_per_step], order[r.seqs_per_step:]
+        anchors, real = choose_anchors(corpus, rows, r.anchors_per_seq, rng)
+        lr = lr_at(step, total or 10 ** 9, r)
+        for m, opt, st in zip(models, opts, stats):
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                loss, s = batch_loss(m, embed, lm_head, corpus, rows, anchors, real, r.gamma)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), r.grad_clip)
+            opt.step()
+            st["loss"] += float(loss.detach())
+            st["n"] += 1
+            st["correct"] += s["correct"]
+            st["valid"] += s["valid"]
+        step += 1
+        if step % 100 == 0:
+            record = {"step": step, "of": total, "lr": lr, "seconds": round(time.monotonic() - start, 1),
+                      "loss": [round(st["loss"] / st["n"], 4) for st in stats],
+                      "acc1": [round(st["correct"] / max(1, st["valid"]), 4) for st in stats]}
+            runlog.write(**record)
+            stats = [{"loss": 0.0, "n": 0, "correct": 0, "valid": 0} for _ in models]
+        if time.monotonic() > next_save:
+            record = save_all(models, cfgs, held, embed, lm_head, out, step, start, runlog)
+            next_save = time.monotonic() + 60 * r.save_minutes
+    if record.get("phase") == "save" and record.get("step") == step:
+        return record
+    return save_all(models, cfgs, held, embed, lm_head, out, step, start, runlog)
+
+
+def save_all(models, cfgs, held, embed, lm_head, out: Path, step: int, start: float, runlog: RunLog) -> dict:
+    evals = []
+    for m, cfg in zip(models, cfgs):
+        save_parts(to_draft_weights(m, cfg), out, f"drafter-{cfg.n_layer}l")
+        evals.append(batch_acceptance(m, embed, lm_head, held))
+    record = {"phase": "save", "step": step, "seconds": round(time.monotonic() - start, 1),
+              "held_out": {f"{c.n_layer}l": e for c, e in zip(cfgs, evals)}}
+    runlog.write(**record)
+    return record
