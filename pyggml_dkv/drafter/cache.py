@@ -61,10 +61,14 @@ class DraftKvCache:
         self.geometry = geo
         self.cap, self.q_len, self.a_step, self.trash_slot = geo.cap, geo.q_len, geo.a_step, geo.trash_slot
         self.kv_total, self.mask_rows, self.fc_in = geo.kv_total, geo.mask_rows, cfg.fc_in
+        # over RPC, masks whose context part is one row for all query rows travel as that row and
+        # the device adds it to their base (drafter.masks); in local memory a whole upload is cheaper
+        masks = StepMasks(geo.q_len, groups, cap, geo.kv_total, cap, self.any_full, self.any_swa, swa,
+                          cfg.swa_window, split=backend.kind == "rpc")
         try:
             self.lm_head = self._vocab_matrix(lm_head, "lm_head")
             self.embed_tokens = self._vocab_matrix(embed_tokens, "embed_tokens")
-            self.memory = self._own(CacheMemory(weights, backend, geo, cache_type, self.any_full, self.any_swa,
+            self.memory = self._own(CacheMemory(weights, backend, geo, cache_type, masks,
                                                 token_input=self.embed_tokens is not None))
             # one graph per fold-in size (geometry.fold_buckets), all over the same memory; a step
             # computes the smallest that takes its new rows, the last (a_step rows) is `gf`
@@ -91,7 +95,6 @@ class DraftKvCache:
 
         # host side: slot bookkeeping, masks, and the staging arrays of every step input
         self.slots = SlotBook(cap)
-        masks = StepMasks(geo.q_len, groups, cap, geo.kv_total, cap, self.any_full, self.any_swa, swa, cfg.swa_window)
         self._inputs = StepInputs(self.memory, geo, self.fc_in, masks)
         self._pending: np.ndarray | None = None  # fold-in positions filled in but not yet computed
         self._ring = RingWatch()  # what the ring dropped since the last step

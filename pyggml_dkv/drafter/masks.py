@@ -56,22 +56,57 @@ class MaskImage:
         return self.image
 
 
+class SplitMask:
+    """A mask whose context columns are the same for every query row, in two parts the device adds:
+    `base` (groups * q_len, n_cols), the noise columns' pattern, zero context columns and -inf
+    padding, written once; and `row` (1, n_cols), the context columns' visibility, zero elsewhere,
+    written each step. 0 + 0 = 0 and -inf + 0 = -inf: the sum is exactly the MaskImage.
+
+    Why: a step makes a few context keys visible in every row; as one image that is one changed
+    run per row, and over RPC each run costs a message (~313 bytes). As a row it is one run.
+    """
+
+    def __init__(self, q_len: int, groups: int, n_ctx: int, n_cols: int, noise_col: int,
+                 noise_vis: np.ndarray) -> None:
+        self.q_len, self.n_ctx = q_len, n_ctx
+        whole = MaskImage(q_len, groups, n_ctx, n_cols, noise_col, noise_vis)
+        whole.set_context(np.ones((1, n_ctx), dtype=bool))
+        self.base = whole.image
+        self.row = np.zeros((1, n_cols), dtype=np.float16)
+
+    def set_context(self, visible: np.ndarray) -> np.ndarray:
+        """Write the context columns (visible: (1, n_ctx) bool); returns the row."""
+        if visible.shape[0] != 1:
+            raise ValueError("a SplitMask's context visibility is one row for every query row")
+        self.row[:, :self.n_ctx] = np.where(visible, ZERO, NEG_INF)
+        return self.row
+
+    @property
+    def image(self) -> np.ndarray:
+        """The whole mask, as the device computes it (base + row)."""
+        return self.base + self.row
+
+
 class StepMasks:
     """The full-layer and sliding-layer masks of one drafter's step, over a given key layout.
 
     `key_pos` (passed each step) holds the absolute position of each context key column (-1: no
     key there); the caller guarantees that every position of the window [lo, committed) it
-    passes is a valid key.
+    passes is a valid key. With `split`, every mask whose context columns are the same for all
+    rows (full layers; sliding layers under swa "seed") is a SplitMask: `fill` then returns its
+    row, and the device adds it to the base.
     """
 
     def __init__(self, q_len: int, groups: int, n_ctx: int, n_cols: int, noise_col: int,
-                 any_full: bool, any_swa: bool, swa: str, swa_window: int) -> None:
+                 any_full: bool, any_swa: bool, swa: str, swa_window: int, split: bool = False) -> None:
         self.swa = check_choice("swa", swa, SWA_MODES)
         self.window = swa_window
         self._q_offsets = np.arange(q_len, dtype=np.int64)[:, None]
         args = (q_len, groups, n_ctx, n_cols, noise_col)
-        self.full = MaskImage(*args, noise_visible(q_len, False, swa, swa_window)) if any_full else None
-        self.sliding = MaskImage(*args, noise_visible(q_len, True, swa, swa_window)) if any_swa else None
+        full_kind = SplitMask if split else MaskImage
+        swa_kind = SplitMask if split and swa != "per_row" else MaskImage
+        self.full = full_kind(*args, noise_visible(q_len, False, swa, swa_window)) if any_full else None
+        self.sliding = swa_kind(*args, noise_visible(q_len, True, swa, swa_window)) if any_swa else None
 
     def fill(self, key_pos: np.ndarray, lo: int, committed: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The (full, sliding) images for a step at `committed` with window [lo, committed)."""

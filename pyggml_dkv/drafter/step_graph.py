@@ -13,6 +13,7 @@ import numpy as np
 from ..ggml import Backend, Buffer, Context, Gallocr, Graph, Tensor
 from ..model.backend_weights import BackendWeights
 from . import layers as L
+from .masks import SplitMask, StepMasks
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,10 @@ class CacheMemory:
     """The K/V rings of every layer and every step input, in ONE zero-filled backend buffer."""
 
     def __init__(self, weights: BackendWeights, backend: Backend, geo: Geometry, cache_type: str,
-                 any_full: bool, any_swa: bool, token_input: bool) -> None:
+                 masks: StepMasks, token_input: bool) -> None:
         cfg = weights.cfg
         kv_width = cfg.head_dim * cfg.n_head_kv
-        self.ctx = Context(n_tensors=2 * cfg.n_layer + 10)
+        self.ctx = Context(n_tensors=2 * cfg.n_layer + 14)
         m = self.ctx
         self.k_cache = [m.new_tensor(cache_type, kv_width, geo.kv_total, name=f"k_cache.{i}") for i in range(cfg.n_layer)]
         self.v_cache = [m.new_tensor(cache_type, kv_width, geo.kv_total, name=f"v_cache.{i}") for i in range(cfg.n_layer)]
@@ -80,8 +81,15 @@ class CacheMemory:
         self.inp_embed = None if token_input else m.new_tensor("f32", cfg.hidden, geo.q_len, name="inp_embed")
         self.pos_q = m.new_tensor("i32", geo.q_len, name="pos_q")
         self.noise_rows = m.new_tensor("i32", geo.q_len, name="noise_rows")
-        self.mask_full = m.new_tensor("f16", geo.kv_total, geo.mask_rows, name="mask_full") if any_full else None
-        self.mask_swa = m.new_tensor("f16", geo.kv_total, geo.mask_rows, name="mask_swa") if any_swa else None
+        # each mask as attention reads it; a SplitMask's is written by every step graph from its
+        # base (uploaded once) and its context row (uploaded each step): drafter.masks
+        self.mask_full = m.new_tensor("f16", geo.kv_total, geo.mask_rows, name="mask_full") if masks.full else None
+        self.mask_swa = m.new_tensor("f16", geo.kv_total, geo.mask_rows, name="mask_swa") if masks.sliding else None
+        self.mask_parts = {}
+        for name, mask in (("mask_full", masks.full), ("mask_swa", masks.sliding)):
+            if isinstance(mask, SplitMask):
+                self.mask_parts[name] = (m.new_tensor("f16", geo.kv_total, geo.mask_rows, name=f"{name}_base"),
+                                         m.new_tensor("f16", geo.kv_total, 1, name=f"{name}_row"))
         self.ap_feat = m.new_tensor("f32", cfg.fc_in, geo.a_step, name="ap_feat")
         self.ap_pos = m.new_tensor("i32", geo.a_step, name="ap_pos")
         self.ap_rows = m.new_tensor("i32", geo.a_step, name="ap_rows")
@@ -93,8 +101,19 @@ class CacheMemory:
         self.ap_rows.set(np.full(geo.a_step, geo.trash_slot, dtype=np.int32))
 
     def inputs(self) -> list[Tensor]:
+        masks = [getattr(self, n) for n in ("mask_full", "mask_swa") if n not in self.mask_parts]
+        parts = [t for pair in self.mask_parts.values() for t in pair]
         return [t for t in (self.inp_embed, self.inp_tokens, self.pos_q, self.noise_rows, self.ap_feat,
-                            self.ap_pos, self.ap_rows, self.mask_full, self.mask_swa) if t is not None]
+                            self.ap_pos, self.ap_rows, *masks, *parts) if t is not None]
+
+    def attention_mask(self, g: Context, gf: Graph, name: str) -> Tensor | None:
+        """The mask `name` for a graph: the leaf itself, or for a split mask base + row written
+        into the leaf by this graph (so the leaf always holds the mask the last step used)."""
+        mask = getattr(self, name)
+        if mask is None or name not in self.mask_parts:
+            return mask
+        base, row = self.mask_parts[name]
+        return gf.expand(g.cpy(g.add(base, row), mask))
 
     def close(self) -> None:
         self.buf.close()
@@ -145,8 +164,8 @@ def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory
             return k_all, v_all
 
         h = L.embed_tokens(g, cfg, embed_table, mem.inp_tokens) if mem.inp_tokens is not None else mem.inp_embed
-        head = L.noise_forward(g, weights, h, mem.pos_q, kv_of_layer, {False: mem.mask_full, True: mem.mask_swa},
-                               layer_swa, fold, bf16_products, lm_head)
+        masks = {False: mem.attention_mask(g, gf, "mask_full"), True: mem.attention_mask(g, gf, "mask_swa")}
+        head = L.noise_forward(g, weights, h, mem.pos_q, kv_of_layer, masks, layer_swa, fold, bf16_products, lm_head)
 
         # (c) outputs
         hidden = gf.expand(head.hidden)

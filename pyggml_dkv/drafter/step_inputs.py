@@ -1,7 +1,8 @@
 """StepInputs: fills the step graph's persistent inputs from numpy before each compute: the
 fold-in rows (features, positions, ring slots; padding to the trash slot), the noise positions
 and the masks. Host staging arrays are allocated once. A step changes a few key columns of each
-mask: on an RPC backend only the changed bytes travel (DeltaUpload)."""
+mask: a split mask sends its one context row, the others their changed runs, and on an RPC backend
+only the changed bytes travel (DeltaUpload)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,19 @@ class StepInputs:
         self._rows = np.full(geo.a_step, geo.trash_slot, dtype=np.int32)
         self._pos_q = np.zeros(geo.q_len, dtype=np.int32)
         self._q_offsets = np.arange(geo.q_len, dtype=np.int32)
-        self._full = DeltaUpload.for_tensor(mem.mask_full) if mem.mask_full is not None else None
-        self._sliding = DeltaUpload.for_tensor(mem.mask_swa) if mem.mask_swa is not None else None
+        self._full = self._mask_upload("mask_full", masks.full)
+        self._sliding = self._mask_upload("mask_swa", masks.sliding)
+
+    def _mask_upload(self, name: str, mask) -> DeltaUpload | None:  # noqa: ANN001
+        """The upload of a mask's per-step part: the whole image, or a split mask's row (its base
+        goes up once, here)."""
+        if mask is None:
+            return None
+        if name in self.mem.mask_parts:
+            base, row = self.mem.mask_parts[name]
+            base.set(mask.base)
+            return DeltaUpload.for_tensor(row)
+        return DeltaUpload.for_tensor(getattr(self.mem, name))
 
     def fold_in(self, ring: FeatureRing, positions: np.ndarray) -> None:
         """The fold-in rows of `positions` (ascending, at most a_step); padding rows go to

@@ -170,6 +170,7 @@ def test_full_mask_hides_padding_and_empty_slots(small, cpu):
     ring, _ = feature_ring(cfg, 100)
     with DraftKvCache(bw, cpu, 37, cache_type="f32") as c:
         c.begin_step(ring, 5)
+        c.compute()  # (over RPC the step graph writes the full mask: base + context row)
         vis = visible_columns(c.mask_full)
         assert (vis == vis[0]).all()  # same for every query row
         row = vis[0]
@@ -180,8 +181,8 @@ def test_full_mask_hides_padding_and_empty_slots(small, cpu):
         assert (ap_rows[5:] == c.trash_slot).all() and ap_rows[:5].tolist() == [0, 1, 2, 3, 4]
         assert (c.ap_pos.numpy()[5:] == 0).all()
         assert c.pos_q.numpy().tolist() == list(range(5, 5 + cfg.block_size))
-        c.compute()
         c.begin_step(ring, 60)  # bulk + wrap: live window [23, 60)
+        c.compute()
         row = visible_columns(c.mask_full)[0]
         live = (c.slot_pos >= 23) & (c.slot_pos < 60)
         assert live.all() and row[:37].all()
