@@ -16,7 +16,7 @@ pytest.importorskip("gguf", reason="reading GGUF needs the gguf package")
 
 def test_the_shipped_drafter_is_a_small_dflash_gguf_of_the_smollm2_shape():
     path = smollm2_drafter_path()
-    assert path.stat().st_size < 16 * 2**20
+    assert path.stat().st_size < 20 * 2**20  # 4 layers in q8_0: 17.7 MiB
     w = DraftWeights.from_pretrained(path)
     cfg = w.cfg
     assert (cfg.hidden, cfg.vocab, cfg.target_layer_ids) == (576, 49152, list(SMOLLM2_LAYER_IDS))
@@ -43,4 +43,5 @@ def test_the_shipped_drafter_accepts_in_the_real_loop():
                 rounds += len(res.stats.rounds)
                 emitted += sum(r.n_emitted for r in res.stats.rounds)
     # measured 1.31 here (Zen 5, one thread); random weights give 1.00-1.05
+    print(f"tokens per round: {emitted / rounds:.3f}")
     assert emitted / rounds > 1.2, emitted / rounds
