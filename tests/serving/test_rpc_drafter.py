@@ -23,14 +23,18 @@ def trajectory(cfg: DraftConfig, n_steps: int, seed: int = 3):
         yield committed, rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
 
 
-def run(backend: Backend, w: DraftWeights, feats: np.ndarray, dtype: str, n_steps: int):
+def run(backend: Backend, w: DraftWeights, feats: np.ndarray, dtype: str, n_steps: int, swa: str = "seed",
+        split: list | None = None):
     cfg = w.cfg
     ring = FeatureRing(2 * CAP, cfg.fc_in)
     outs = []
     # the server's buffers are plain ggml buffers (no AMX / VNNI repacking): the local side keeps
     # its weights plain too, so both run the very same kernels
-    with w.to_backend(backend, dtype, repack=False) as bw, DraftKvCache(bw, backend, CAP, cache_type="f16") as c:
+    with w.to_backend(backend, dtype, repack=False) as bw, \
+            DraftKvCache(bw, backend, CAP, cache_type="f16", swa=swa) as c:
         fold = c.fold_gqa
+        if split is not None:
+            split.extend(sorted(c.memory.mask_parts))
         written = 0
         for committed, noise in trajectory(cfg, n_steps):
             ring.append(feats[written:committed])
@@ -49,6 +53,22 @@ def test_rpc_cpu_is_bit_identical_to_local_cpu(cpu, shared_server, dtype):
     with Backend(shared_server.spec) as remote:
         fold_remote, over_rpc = run(remote, w, feats, dtype, n_steps)
     assert fold_local and fold_remote  # the remote CPU keeps the CPU graph
+    for step, (a, b) in enumerate(zip(local, over_rpc)):
+        assert np.array_equal(a, b), f"step {step} differs"
+
+
+@pytest.mark.parametrize("swa", ["seed", "per_row"])
+def test_split_masks_over_rpc_are_bit_identical_to_whole_masks(cpu, shared_server, swa):
+    """Over RPC a mask whose context columns are one row for all query rows is a base + a row
+    added on the device; locally it is uploaded whole. Sliding layers: split under "seed" only."""
+    cfg = DraftConfig.toy(layer_types=["sliding", "full"], swa_window=10)
+    w = DraftWeights.random(cfg, seed=5)
+    feats = np.random.default_rng(6).standard_normal((300, cfg.fc_in)).astype(np.float32)
+    local_split, remote_split = [], []
+    _, local = run(cpu, w, feats, "f16", 40, swa, local_split)
+    with Backend(shared_server.spec) as remote:
+        _, over_rpc = run(remote, w, feats, "f16", 40, swa, remote_split)
+    assert local_split == [] and remote_split == (["mask_full", "mask_swa"] if swa == "seed" else ["mask_full"])
     for step, (a, b) in enumerate(zip(local, over_rpc)):
         assert np.array_equal(a, b), f"step {step} differs"
 
