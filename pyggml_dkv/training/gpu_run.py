@@ -67,6 +67,23 @@ class GpuRecipe:
     seed: int = 0
     device: str = "cuda"
 
+    def __post_init__(self) -> None:
+        if not self.layers or len(set(self.layers)) != len(self.layers) or min(self.layers) < 1:
+            raise ValueError(f"layers must be distinct drafter depths >= 1, got {self.layers}")
+        if not self.minutes > 0:
+            raise ValueError(f"minutes must be > 0, got {self.minutes}")
+        if not 0 < self.data_share < 1:
+            raise ValueError(f"data_share must lie in (0, 1), got {self.data_share}")
+        for name in ("self_prompts", "prompt_batch", "answer_batch", "max_new_tokens", "seqs_per_step",
+                     "anchors_per_seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("pack", "model"):
+            if not Path(getattr(self, name)).is_file():
+                raise FileNotFoundError(f"{name}: no such file {getattr(self, name)}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: PyTorch sees no CUDA device here (--device cpu runs on the CPU)")
+
 
 def save_parts(weights: DraftWeights, out_dir: Path, name: str, max_bytes: int = 15 << 20) -> list[Path]:
     """The weights as float16 `NAME.partK.npz` files of at most ~max_bytes each (the config, as
@@ -110,13 +127,18 @@ def load_parts(out_dir: str | Path, name: str) -> DraftWeights:
 
 
 class RunLog:
+    """log.jsonl: one JSON record per line, flushed at once (a run cut short keeps its log)."""
+
     def __init__(self, path: Path) -> None:
         self.f = open(path, "a")
 
-    def write(self, **record) -> None:
+    def write(self, **record: object) -> None:
         log.info("%s", record)
         self.f.write(json.dumps(record) + "\n")
         self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
 
 
 def build_data(target: TorchLlama, r: GpuRecipe, deadline: float, runlog: RunLog
@@ -137,7 +159,8 @@ def build_data(target: TorchLlama, r: GpuRecipe, deadline: float, runlog: RunLog
     # what is left of the data time: a third for writing prompts, half for answering them, the
     # rest in reserve for the features pass
     now = time.monotonic()
-    prompts = self_prompts(target, pack, r.self_prompts, batch=r.prompt_batch, seed=r.seed + 2, deadline=now + 0.3 * (deadline - now))
+    prompts = self_prompts(target, pack, r.self_prompts, batch=r.prompt_batch, seed=r.seed + 2,
+                           deadline=now + 0.3 * (deadline - now))
     gen_deadline = now + 0.8 * (deadline - now)
     runlog.write(phase="self_prompts", prompts=len(prompts), seconds=round(time.monotonic() - t0, 1))
     answers, answer_plen = continue_prompts(target, prompts, eog, batch=r.answer_batch, max_new=r.max_new_tokens,
@@ -181,23 +204,33 @@ def lr_at(step: int, total: int, r: GpuRecipe) -> float:
 
 
 def run(r: GpuRecipe) -> dict:
-    start = time.monotonic()
-    end = start + 60 * r.minutes
+    """The whole run (module docstring); returns the last save's record."""
     out = Path(r.out)
     out.mkdir(parents=True, exist_ok=True)
     runlog = RunLog(out / "log.jsonl")
+    try:
+        return _run(r, out, runlog)
+    finally:
+        runlog.close()
+
+
+def _run(r: GpuRecipe, out: Path, runlog: RunLog) -> dict:
+    start = time.monotonic()
+    end = start + 60 * r.minutes
     runlog.write(phase="recipe", recipe=asdict(r))
     dev = torch.device(r.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # the target in true float32
     target = TorchLlama.from_gguf(r.model, dev)
     runlog.write(phase="load", seconds=round(time.monotonic() - start, 1), device=str(dev))
     corpus, held, seqs, plens = build_data(target, r, start + 60 * r.minutes * r.data_share, runlog)
-    np.savez_compressed(out / "tokens.npz", tokens=np.concatenate(seqs).astype(np.uint16 if target.shape.vocab <= 1 << 16 else np.int32),
+    token_type = np.uint16 if target.shape.vocab <= 1 << 16 else np.int32
+    np.savez_compressed(out / "tokens.npz", tokens=np.concatenate(seqs).astype(token_type),
                         lengths=np.array([s.size for s in seqs]), prompt_lengths=np.array(plens))
     embed = target.w["token_embd"]
     lm_head = target.w["output"].to(torch.bfloat16)
-    del target.w
-    torch.cuda.empty_cache() if dev.type == "cuda" else None
+    del target.w  # the target's weights are done with: room for training
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
     torch.backends.cuda.matmul.allow_tf32 = True
     models, opts, cfgs = [], [], []
@@ -214,14 +247,17 @@ def run(r: GpuRecipe) -> dict:
     order = np.array([], np.int64)
     step, total = 0, None
     t_train = time.monotonic()
+    t_measure = t_train  # the step time is measured over steps 10-30, past the first steps' set-up
     next_save = t_train + 60 * r.save_minutes
     stats = [{"loss": 0.0, "n": 0, "correct": 0, "valid": 0} for _ in models]
     record: dict = {}
     while True:
         now = time.monotonic()
-        if total is None and step == 20:  # the schedule's length from the measured step time
-            per_step = (now - t_train) / step
-            total = max(step + 1, int((end - 60 * 0.4 - t_train) / per_step))
+        if step == 10:
+            t_measure = now
+        if total is None and step == 30:  # the schedule's length from the measured step time
+            per_step = (now - t_measure) / 20
+            total = max(step + 1, step + int((end - 60 * 0.4 - now) / per_step))
             runlog.write(phase="schedule", seconds_per_step=round(per_step, 4), steps=total)
         if (total is not None and step >= total) or now > end - 60 * 0.4:
             break
@@ -258,7 +294,9 @@ def run(r: GpuRecipe) -> dict:
     return save_all(models, cfgs, held, embed, lm_head, out, step, start, runlog)
 
 
-def save_all(models, cfgs, held, embed, lm_head, out: Path, step: int, start: float, runlog: RunLog) -> dict:
+def save_all(models: list[torch.nn.Module], cfgs: list[DraftConfig], held: DeviceCorpus, embed: torch.Tensor,
+             lm_head: torch.Tensor, out: Path, step: int, start: float, runlog: RunLog) -> dict:
+    """Write every drafter's weights (save_parts) and log its held-out replay."""
     evals = []
     for m, cfg in zip(models, cfgs):
         save_parts(to_draft_weights(m, cfg), out, f"drafter-{cfg.n_layer}l")

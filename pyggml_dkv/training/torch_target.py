@@ -7,16 +7,19 @@ float32, batched: generation with a static KV cache and left-padded prompts, and
 pass returning the features of the drafter's target layers (`l_out-i`: the residual stream after
 decoder layer i, what our llama.cpp capture reads) and the target's argmax at every position.
 
-It is not llama.cpp: llama.cpp multiplies quantized weights by activations quantized to 8 bits,
-this module by float32 activations, so features differ in their last digits and near-tied argmaxes
-can differ (tests/training/test_torch_target.py measures both against the host). Drafters trained
-on its data are measured with the host's own features (evaluate.py) before anything ships.
+It is not llama.cpp. llama.cpp's CPU backend multiplies a quantized weight by activations it first
+rounds to 8-bit blocks, and keeps K/V in float16; this module emulates both roundings
+(`emulate_q8`) but not llama.cpp's order of summation, so features differ in their last digits
+(median relative error 1.8% against the host's capture, SmolLM2 Q4_1) and near-tied argmaxes can
+differ (98% agree): tests/training/test_gpu_path.py measures both against the host. Drafters
+trained on its data are measured with the host's own features (evaluate.py) before anything ships.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,9 +47,11 @@ class LlamaShape:
 class TorchLlama:
     """The target's weights on `device` and its forward pass (no autograd: a frozen teacher)."""
 
-    def __init__(self, shape: LlamaShape, tensors: dict[str, torch.Tensor], device: str | torch.device) -> None:
+    def __init__(self, shape: LlamaShape, tensors: dict[str, torch.Tensor], device: str | torch.device,
+                 quantized: frozenset[str] = frozenset()) -> None:
         self.shape = shape
         self.emulate_q8 = True  # round activations as llama.cpp does before quantized products
+        self.quantized = quantized  # the weights the GGUF stores quantized (their products round x)
         self.device = torch.device(device)
         self.w = {k: v.to(self.device) for k, v in tensors.items()}
         hd = shape.head_dim
@@ -56,9 +61,11 @@ class TorchLlama:
     def from_gguf(cls, path: str, device: str | torch.device = "cpu") -> "TorchLlama":
         """Read and dequantize a llama GGUF with the `gguf` package alone (no ggml: this runs on
         machines where our extension is not built)."""
-        from gguf import GGUFReader
+        from gguf import GGMLQuantizationType, GGUFReader
         from gguf.quants import dequantize
 
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no such GGUF file: {path}")
         reader = GGUFReader(path, "r")
         meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
         arch = meta.get("general.architecture")
@@ -90,8 +97,14 @@ class TorchLlama:
         def t(name: str) -> torch.Tensor:
             return torch.from_numpy(array(name))
 
+        plain = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+        output = "output.weight" if "output.weight" in infos else "token_embd.weight"  # tied
+        quantized = {ours for ours, theirs in [("output", output)] + [
+            (f"blk.{i}.{n}", f"blk.{i}.{n}.weight") for i in range(shape.n_layer)
+            for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+            if infos[theirs].tensor_type not in plain}
         tensors = {"token_embd": t("token_embd.weight"), "output_norm": t("output_norm.weight")}
-        tensors["output"] = t("output.weight") if "output.weight" in infos else tensors["token_embd"]
+        tensors["output"] = t(output) if output != "token_embd.weight" else tensors["token_embd"]
         for i in range(shape.n_layer):
             p = f"blk.{i}."
             tensors[p + "attn_q"] = torch.from_numpy(np.ascontiguousarray(
@@ -100,14 +113,14 @@ class TorchLlama:
                 unpermute_llama_qk(array(p + "attn_k.weight"), shape.n_head_kv)))
             for name in ("attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_norm", "ffn_norm"):
                 tensors[p + name] = t(p + name + ".weight")
-        return cls(shape, tensors, device)
+        return cls(shape, tensors, device, frozenset(quantized))
 
     # --- pieces -------------------------------------------------------------------------------
 
     def _mm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x @ W.T as llama.cpp's CPU backend computes a quantized product: x rounded to 8-bit
         blocks of 32 (q8_1 / q8_0: scale amax / 127 kept in float16), then an exact-ish dot."""
-        if self.emulate_q8:
+        if self.emulate_q8 and name in self.quantized and x.shape[-1] % 32 == 0:
             blocks = x.reshape(*x.shape[:-1], -1, 32)
             d = blocks.abs().amax(-1, keepdim=True) / 127.0
             q = torch.where(d > 0, blocks / torch.where(d > 0, d, 1.0), 0.0)

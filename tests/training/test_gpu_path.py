@@ -19,7 +19,7 @@ from pyggml_dkv.training.__main__ import main as training_cli  # noqa: E402
 from pyggml_dkv.training.batched import DeviceCorpus, batch_acceptance, batch_loss, choose_anchors  # noqa: E402
 from pyggml_dkv.training.data import Corpus  # noqa: E402
 from pyggml_dkv.training.evaluate import offline_acceptance  # noqa: E402
-from pyggml_dkv.training.gpu_run import drafter_config, load_parts, save_parts  # noqa: E402
+from pyggml_dkv.training.gpu_run import GpuRecipe, drafter_config, load_parts, save_parts  # noqa: E402
 from pyggml_dkv.training.model import new_model, to_draft_weights  # noqa: E402
 from pyggml_dkv.training.objective import Frozen, sequence_loss  # noqa: E402
 from pyggml_dkv.training.prompts import REQUEST_OPENERS  # noqa: E402
@@ -156,7 +156,7 @@ def test_the_batched_loss_is_the_per_sequence_loss():
         tokens, feats, greedy, plen = corpus.sequence(int(i))
         a = np.unique(anchors[r][real[r]])
         ref, ref_st = sequence_loss(model, frozen, tokens, feats, greedy, a, 4.0)
-        num += float(ref) * ref_st["weight"]
+        num += ref.item() * ref_st["weight"]
         den += ref_st["weight"]
     assert float(loss) == pytest.approx(num / den, rel=1e-5)
     assert st["weight"] == pytest.approx(den, rel=1e-6)
@@ -192,7 +192,7 @@ def test_a_gpu_run_in_miniature_through_the_cli(tmp_path):
     out = tmp_path / "run"
     assert training_cli([
         "gpu-run", "--pack", str(pack_file), "--model", str(smollm2_path()), "--out", str(out), "--device", "cpu",
-        "--layers", "1", "2", "--block-size", "4", "--minutes", "0.9", "--self-prompts", "4",
+        "--layers", "1", "2", "--block-size", "4", "--minutes", "1.2", "--self-prompts", "4",
         "--template-prompts", "4", "--held-out-prompts", "2", "--prompt-batch", "4", "--answer-batch", "4",
         "--max-new-tokens", "12", "--seqs-per-step", "4", "--anchors", "4", "--warmup", "2",
     ]) == 0
@@ -211,3 +211,22 @@ def test_a_gpu_run_in_miniature_through_the_cli(tmp_path):
         assert DraftWeights.from_pretrained(tmp_path / name).cfg == weights.cfg
     with np.load(out / "tokens.npz") as z:
         assert z["tokens"].size == z["lengths"].sum() and (z["prompt_lengths"] < z["lengths"]).all()
+
+
+def test_a_gpu_run_recipe_refuses_bad_settings_by_name(tmp_path):
+    pack_file = tmp_path / "prompts.npz"
+    pack_file.write_bytes(b"x")
+    ok = dict(pack=str(pack_file), model=str(smollm2_path()), out=str(tmp_path / "o"), draft={}, device="cpu")
+    GpuRecipe(**ok)
+    for bad, match in [({"layers": []}, "layers"), ({"layers": [2, 2]}, "layers"), ({"layers": [0]}, "layers"),
+                       ({"minutes": 0}, "minutes"), ({"data_share": 1.0}, "data_share"),
+                       ({"anchors_per_seq": 0}, "anchors_per_seq"), ({"answer_batch": 0}, "answer_batch")]:
+        with pytest.raises(ValueError, match=match):
+            GpuRecipe(**{**ok, **bad})
+    with pytest.raises(FileNotFoundError, match="model"):
+        GpuRecipe(**{**ok, "model": str(tmp_path / "missing.gguf")})
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            GpuRecipe(**{**ok, "device": "cuda"})
+    with pytest.raises(FileNotFoundError, match="no such GGUF"):
+        TorchLlama.from_gguf(str(tmp_path / "missing.gguf"))
