@@ -158,7 +158,7 @@ def test_the_batched_loss_is_the_per_sequence_loss():
         ref, ref_st = sequence_loss(model, frozen, tokens, feats, greedy, a, 4.0)
         num += ref.item() * ref_st["weight"]
         den += ref_st["weight"]
-    assert float(loss) == pytest.approx(num / den, rel=1e-5)
+    assert loss.item() == pytest.approx(num / den, rel=1e-5)
     assert st["weight"] == pytest.approx(den, rel=1e-6)
 
 
