@@ -1,4 +1,5 @@
-"""Command line: `python -m pyggml_dkv.training {generate,train,evaluate,export,pack,gpu-run} ...` (docs/training.md)."""
+"""Command line: `python -m pyggml_dkv.training {generate,train,evaluate,export,pack,gpu-run} ...`
+(docs/training.md)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..model.weights import DraftWeights
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -40,16 +45,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_drafter(spec: str):
-    """A dflash checkpoint directory or .gguf, or a gpu-run's weight parts (OUT/drafter-4l: the
-    prefix of OUT/drafter-4l.part0.npz ...)."""
-    from ..model.weights import DraftWeights
-    from .gpu_run import load_parts
+def read_drafter(spec: str) -> "DraftWeights":
+    """A dflash checkpoint directory or .gguf, or a gpu-run's weight parts (OUT/drafter-4l)."""
+    from .gpu_run import read_weights
 
-    path = Path(spec)
-    if path.with_name(path.name + ".part0.npz").is_file():
-        return load_parts(path.parent, path.name)
-    return DraftWeights.from_pretrained(spec)
+    return read_weights(spec)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -106,7 +106,8 @@ def cmd_gpu_run(args: argparse.Namespace) -> int:
                        prompt_batch=args.prompt_batch, answer_batch=args.answer_batch,
                        max_new_tokens=args.max_new_tokens, seqs_per_step=args.seqs_per_step,
                        anchors_per_seq=args.anchors, lr=args.lr, warmup_steps=args.warmup,
-                       save_minutes=args.save_minutes, seed=args.seed, device=args.device)
+                       save_minutes=args.save_minutes, seed=args.seed, device=args.device, tokens=args.tokens,
+                       init=args.init)
     record = run(recipe)
     logging.getLogger(__name__).info("last record: %s", record)
     return 0
@@ -191,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--save-minutes", type=float, default=1.5)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--device", default="cuda")
+    r.add_argument("--tokens", default=None, help="train on an earlier run's tokens.npz instead of generating")
+    r.add_argument("--init", default=None, help="start the one drafter from weights (OUT/drafter-4l parts or a checkpoint)")
     r.set_defaults(func=cmd_gpu_run)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

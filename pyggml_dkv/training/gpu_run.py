@@ -5,13 +5,17 @@ several drafters trained side by side on it until a wall-clock deadline.
 
 Phases (each logged to OUT/log.jsonl):
 1. data: the target writes `self_prompts` user requests and answers them greedily; the template
-   prompts are answered greedily and "warm"; the held-out prompts greedily (evaluation only);
+   prompts are answered greedily and "warm"; the held-out prompts greedily (evaluation only).
+   With `tokens` (an earlier run's tokens.npz) the training sequences are read instead;
 2. features: a teacher-forced pass over every sequence gives the features of the drafter's target
    layers and the target's argmax (the `greedy` flags), kept on the GPU in bfloat16;
 3. training: each drafter shape in `layers` gets its own AdamW, the same batches, warm-up and
    cosine decay over the number of steps the remaining time allows (measured on the first steps);
    every `save_minutes` the weights are written (float16 .npz parts small enough to copy back
    from a rented machine) with the held-out replay of each.
+
+With `init` (an earlier run's weight parts, OUT/drafter-4l, or a dflash checkpoint) the one drafter
+of `layers` starts from those weights: with `tokens` too, a run continues an earlier one on its data.
 
 The drafters it writes are measured again on the host's own features before they are used
 (`python -m pyggml_dkv.training evaluate`): that is the number that counts.
@@ -32,7 +36,7 @@ import torch
 from ..model.config import DraftConfig
 from ..model.weights import DraftWeights
 from .batched import DeviceCorpus, batch_acceptance, batch_loss, choose_anchors
-from .model import new_model, to_draft_weights
+from .model import load_weights, new_model, to_draft_weights
 from .selfgen import continue_prompts, self_prompts, unpack
 from .torch_target import TorchLlama, features_and_argmax
 
@@ -66,6 +70,8 @@ class GpuRecipe:
     save_minutes: float = 1.5
     seed: int = 0
     device: str = "cuda"
+    tokens: str | None = None  # an earlier run's tokens.npz: train on those sequences, skip generating
+    init: str | None = None  # weights to start the (single) drafter from: parts prefix or checkpoint
 
     def __post_init__(self) -> None:
         if not self.layers or len(set(self.layers)) != len(self.layers) or min(self.layers) < 1:
@@ -78,9 +84,15 @@ class GpuRecipe:
                      "anchors_per_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("pack", "model"):
-            if not Path(getattr(self, name)).is_file():
+        for name in ("pack", "model", "tokens"):
+            if getattr(self, name) is not None and not Path(getattr(self, name)).is_file():
                 raise FileNotFoundError(f"{name}: no such file {getattr(self, name)}")
+        if self.init is not None:
+            if len(self.layers) != 1:
+                raise ValueError(f"init starts one drafter: give one depth in layers, got {self.layers}")
+            init = Path(self.init)
+            if not (init.exists() or init.with_name(init.name + ".part0.npz").is_file()):
+                raise FileNotFoundError(f"init: no weights at {self.init}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: PyTorch sees no CUDA device here (--device cpu runs on the CPU)")
 
@@ -106,6 +118,15 @@ def save_parts(weights: DraftWeights, out_dir: Path, name: str, max_bytes: int =
         np.savez(p, **part)
         paths.append(p)
     return paths
+
+
+def read_weights(spec: str | Path) -> DraftWeights:
+    """A gpu-run's weight parts (OUT/drafter-4l: the prefix of OUT/drafter-4l.part0.npz ...), or a
+    dflash checkpoint directory or .gguf (DraftWeights.from_pretrained)."""
+    path = Path(spec)
+    if path.with_name(path.name + ".part0.npz").is_file():
+        return load_parts(path.parent, path.name)
+    return DraftWeights.from_pretrained(spec)
 
 
 def load_parts(out_dir: str | Path, name: str) -> DraftWeights:
@@ -141,21 +162,16 @@ class RunLog:
         self.f.close()
 
 
-def build_data(target: TorchLlama, r: GpuRecipe, deadline: float, runlog: RunLog
-               ) -> tuple[DeviceCorpus, DeviceCorpus, list[np.ndarray], list[int]]:
-    """Phases 1-2: (training corpus, held-out corpus, training sequences, their prompt lengths)."""
-    pack = np.load(r.pack)
-    eog = set(int(t) for t in pack["eog"])
-    layers = tuple(DraftConfig(**r.draft).target_layer_ids)
-    t0 = time.monotonic()
-    held, held_plen = continue_prompts(target, unpack(pack["held_flat"], pack["held_len"])[:r.held_out_prompts],
-                                       eog, batch=r.answer_batch, max_new=r.max_new_tokens)
+def generate_sequences(target: TorchLlama, r: GpuRecipe, pack: dict, eog: set[int], deadline: float,
+                       runlog: RunLog, t0: float) -> tuple[list[np.ndarray], list[int]]:
+    """Phase 1's training sequences: the templates greedy and warm, then requests the target
+    writes itself, answered greedily until the data deadline."""
     templates = unpack(pack["train_flat"], pack["train_len"])[:r.template_prompts]
     seqs, plens = continue_prompts(target, templates, eog, batch=r.answer_batch, max_new=r.max_new_tokens)
     warm, warm_plen = continue_prompts(target, templates, eog, batch=r.answer_batch, max_new=r.max_new_tokens,
                                        warm_tokens=r.warm_tokens, seed=r.seed + 1)
     seqs, plens = seqs + warm, plens + warm_plen
-    runlog.write(phase="templates", sequences=len(seqs), held_out=len(held), seconds=round(time.monotonic() - t0, 1))
+    runlog.write(phase="templates", sequences=len(seqs), seconds=round(time.monotonic() - t0, 1))
     # what is left of the data time: a third for writing prompts, half for answering them, the
     # rest in reserve for the features pass
     now = time.monotonic()
@@ -168,6 +184,26 @@ def build_data(target: TorchLlama, r: GpuRecipe, deadline: float, runlog: RunLog
     seqs, plens = seqs + answers, plens + answer_plen
     runlog.write(phase="answers", sequences=len(seqs), tokens=int(sum(s.size for s in seqs)),
                  new_tokens=int(sum(s.size - p for s, p in zip(seqs, plens))), seconds=round(time.monotonic() - t0, 1))
+    return seqs, plens
+
+
+def build_data(target: TorchLlama, r: GpuRecipe, deadline: float, runlog: RunLog
+               ) -> tuple[DeviceCorpus, DeviceCorpus, list[np.ndarray], list[int]]:
+    """Phases 1-2: (training corpus, held-out corpus, training sequences, their prompt lengths)."""
+    pack = dict(np.load(r.pack))
+    eog = set(int(t) for t in pack["eog"])
+    layers = tuple(DraftConfig(**r.draft).target_layer_ids)
+    t0 = time.monotonic()
+    held, held_plen = continue_prompts(target, unpack(pack["held_flat"], pack["held_len"])[:r.held_out_prompts],
+                                       eog, batch=r.answer_batch, max_new=r.max_new_tokens)
+    runlog.write(phase="held_out", sequences=len(held), seconds=round(time.monotonic() - t0, 1))
+    if r.tokens is not None:
+        with np.load(r.tokens) as z:
+            seqs = unpack(z["tokens"], z["lengths"])
+            plens = [int(p) for p in z["prompt_lengths"]]
+        runlog.write(phase="tokens", sequences=len(seqs), source=r.tokens)
+    else:
+        seqs, plens = generate_sequences(target, r, pack, eog, deadline, runlog, t0)
 
     def corpus(sequences: list[np.ndarray], prompt_lengths: list[int], chunk: int = 64) -> tuple[DeviceCorpus, float]:
         c = DeviceCorpus.allocate(sequences, prompt_lengths, DraftConfig(**r.draft).fc_in, torch.bfloat16, target.device)
@@ -236,7 +272,14 @@ def _run(r: GpuRecipe, out: Path, runlog: RunLog) -> dict:
     models, opts, cfgs = [], [], []
     for n_layer in r.layers:
         cfg = drafter_config(r.draft, n_layer)
-        m = new_model(cfg, r.seed).to(dev)
+        m = new_model(cfg, r.seed)
+        if r.init is not None:
+            start_from = read_weights(r.init)
+            if start_from.cfg != cfg:
+                raise ValueError(f"init {r.init}: its shape {start_from.cfg} is not the run's {cfg}")
+            load_weights(m, start_from)
+            runlog.write(phase="init", source=r.init)
+        m = m.to(dev)
         decay = [p for p in m.parameters() if p.ndim >= 2]
         no_decay = [p for p in m.parameters() if p.ndim < 2]
         opts.append(torch.optim.AdamW([{"params": decay, "weight_decay": r.weight_decay},

@@ -38,7 +38,7 @@ def prompt_pack(model_path: str, out: str | Path, prompt_seed: int = 0) -> Path:
     from .prompts import HELD_OUT_PROMPTS, REQUEST_OPENERS, training_prompts
 
     with LlamaTarget(model_path, n_ctx=512, n_threads=1) as target:
-        def chat(texts):
+        def chat(texts: list[str] | tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
             toks = [target.tokenize(target.chat_prompt(t)) for t in texts]
             return np.concatenate(toks).astype(np.int32), np.array([t.size for t in toks], np.int64)
 
@@ -50,13 +50,16 @@ def prompt_pack(model_path: str, out: str | Path, prompt_seed: int = 0) -> Path:
         eog = np.array([t for t in range(target.n_vocab) if target.is_eog(t)], np.int32)
         newline = np.array([t for t in range(target.n_vocab) if b"\n" in target.piece(t)], np.int32)
     out = Path(out)
-    np.savez(out, train_flat=train_flat, train_len=train_len, held_flat=held_flat, held_len=held_len,
-             user_open=user_open, user_close=user_close, eog=eog, newline=newline,
-             openers_flat=np.concatenate(openers).astype(np.int32), openers_len=np.array([o.size for o in openers]))
+    with open(out, "wb") as f:  # (np.savez on a name would append .npz to any other suffix)
+        np.savez(f, train_flat=train_flat, train_len=train_len, held_flat=held_flat, held_len=held_len,
+                 user_open=user_open, user_close=user_close, eog=eog, newline=newline,
+                 openers_flat=np.concatenate(openers).astype(np.int32),
+                 openers_len=np.array([o.size for o in openers]))
     return out
 
 
 def unpack(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    """The token arrays a pack stores flat (int64)."""
     return np.split(flat.astype(np.int64), np.cumsum(lengths)[:-1])
 
 

@@ -212,6 +212,26 @@ def test_a_gpu_run_in_miniature_through_the_cli(tmp_path):
     with np.load(out / "tokens.npz") as z:
         assert z["tokens"].size == z["lengths"].sum() and (z["prompt_lengths"] < z["lengths"]).all()
 
+    # continuing: the same sequences read back (nothing generated), the drafter started from the
+    # saved weights; with no time left to train, what it saves is what it started from
+    again = tmp_path / "again"
+    common = ["--pack", str(pack_file), "--model", str(smollm2_path()), "--device", "cpu", "--block-size", "4",
+              "--held-out-prompts", "2", "--answer-batch", "4", "--max-new-tokens", "12", "--layers", "2",
+              "--tokens", str(out / "tokens.npz")]
+    assert training_cli(["gpu-run", *common, "--out", str(again), "--minutes", "0.3",
+                         "--init", str(out / "drafter-2l")]) == 0
+    records = [json.loads(line) for line in (again / "log.jsonl").read_text().splitlines()]
+    phases = [r.get("phase") for r in records]
+    assert "tokens" in phases and "init" in phases and "templates" not in phases and "self_prompts" not in phases
+    assert next(r for r in records if r.get("phase") == "features")["sequences"] == features["sequences"]
+    assert [r for r in records if r.get("phase") == "save"][-1]["step"] == 0
+    started, saved = load_parts(out, "drafter-2l"), load_parts(again, "drafter-2l")
+    for name, arr in started.items():
+        np.testing.assert_array_equal(saved[name], arr)
+    with pytest.raises(ValueError, match="is not the run's"):
+        training_cli(["gpu-run", *common[:-4], "--layers", "1", "--tokens", str(out / "tokens.npz"),
+                      "--out", str(tmp_path / "bad"), "--minutes", "0.3", "--init", str(out / "drafter-2l")])
+
 
 def test_a_gpu_run_recipe_refuses_bad_settings_by_name(tmp_path):
     pack_file = tmp_path / "prompts.npz"
@@ -230,3 +250,9 @@ def test_a_gpu_run_recipe_refuses_bad_settings_by_name(tmp_path):
             GpuRecipe(**{**ok, "device": "cuda"})
     with pytest.raises(FileNotFoundError, match="no such GGUF"):
         TorchLlama.from_gguf(str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="tokens"):
+        GpuRecipe(**{**ok, "tokens": str(tmp_path / "missing.npz")})
+    with pytest.raises(FileNotFoundError, match="init"):
+        GpuRecipe(**{**ok, "init": str(tmp_path / "nothing")})
+    with pytest.raises(ValueError, match="one depth"):
+        GpuRecipe(**{**ok, "layers": [2, 4], "init": str(pack_file)})
