@@ -14,6 +14,9 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
+
+from ..model.config import DraftConfig
 
 log = logging.getLogger(__name__)
 
@@ -77,3 +80,17 @@ def smollm2_gguf(download: bool = True) -> Path:
 
 if __name__ == "__main__":
     print(smollm2_gguf())
+
+
+# A DFlash drafter shape for SmolLM2-135M (hidden 576, 30 layers, vocab 49152): five target
+# layers spread over the depth, a Qwen3-style block with SmolLM2's attention geometry.
+SMOLLM2_LAYER_IDS = (1, 8, 15, 22, 28)
+
+
+def smollm2_draft_config(**changes: Any) -> DraftConfig:
+    base: dict[str, Any] = dict(hidden=576, n_layer=1, n_head=9, n_head_kv=3, head_dim=64, ffn=1536,
+                                block_size=16, n_target_layers=len(SMOLLM2_LAYER_IDS),
+                                target_layer_ids=list(SMOLLM2_LAYER_IDS), rms_eps=1e-5, rope_theta=100_000.0,
+                                mask_token_id=0, vocab=49152)
+    base.update(changes)
+    return DraftConfig(**base)

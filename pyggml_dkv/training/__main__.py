@@ -93,10 +93,10 @@ def cmd_gpu_run(args: argparse.Namespace) -> int:
 
     from .gpu_run import GpuRecipe, run
 
-    if args.draft:  # a machine without our ggml extension cannot import the host's drafters module
+    if args.draft:
         draft = json.loads(Path(args.draft).read_text())
-    else:
-        from ..hosts.llama_cpp.drafters import SMOLLM2_LAYER_IDS, smollm2_draft_config
+    else:  # (hosts.smollm2 needs neither our ggml extension nor llama.cpp: GPU machines read it)
+        from ..hosts.smollm2 import SMOLLM2_LAYER_IDS, smollm2_draft_config
 
         draft = smollm2_draft_config(n_layer=args.layers[0], block_size=args.block_size, mask_token_id=args.mask_token,
                                      target_layer_ids=list(SMOLLM2_LAYER_IDS)).to_dict()
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--layers", type=int, nargs="+", default=[2], help="drafter depths, trained side by side")
     r.add_argument("--block-size", type=int, default=8)
     r.add_argument("--mask-token", type=int, default=16)
-    r.add_argument("--draft", default=None, help="DraftConfig fields as JSON (default: SmolLM2's drafter shape)")
+    r.add_argument("--draft", default=None, help="a JSON file of DraftConfig fields (default: SmolLM2's drafter shape)")
     r.add_argument("--minutes", type=float, default=8.0, help="wall clock of the whole run")
     r.add_argument("--data-share", type=float, default=0.4, help="at most this share of it for data and features")
     r.add_argument("--self-prompts", type=int, default=16384, help="user requests the target writes itself")

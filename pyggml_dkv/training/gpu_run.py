@@ -9,8 +9,8 @@ Phases (each logged to OUT/log.jsonl):
    With `tokens` (an earlier run's tokens.npz) the training sequences are read instead;
 2. features: a teacher-forced pass over every sequence gives the features of the drafter's target
    layers and the target's argmax (the `greedy` flags), kept on the GPU in bfloat16;
-3. training: each drafter shape in `layers` gets its own AdamW, the same batches, warm-up and
-   cosine decay over the number of steps the remaining time allows (measured on the first steps);
+3. training: each drafter shape in `layers` gets its own AdamW, the same batches, warm-up and a
+   cosine decay over the training time (by the clock: lr_at);
    every `save_minutes` the weights are written (float16 .npz parts small enough to copy back
    from a rented machine) with the held-out replay of each.
 
@@ -232,11 +232,14 @@ def drafter_config(draft: dict, n_layer: int) -> DraftConfig:
     return DraftConfig(**fields)
 
 
-def lr_at(step: int, total: int, r: GpuRecipe) -> float:
-    if step < r.warmup_steps:
-        return r.lr * (step + 1) / r.warmup_steps
-    t = (step - r.warmup_steps) / max(1, total - r.warmup_steps)
-    return r.lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+def lr_at(step: int, progress: float, r: GpuRecipe) -> float:
+    """Linear warm-up over the first steps, times a cosine decay to min_lr_ratio over the training
+    time (`progress`: the share of it spent). A run is cut by the clock, and a step's time is
+    hard to foresee on a GPU (the first steps of each new shape are slow: a schedule sized from
+    steps 10-30 of one run stopped at 40% of its time), so the decay follows the clock."""
+    warm = min(1.0, (step + 1) / r.warmup_steps)
+    p = min(1.0, max(0.0, progress))
+    return r.lr * warm * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
 def run(r: GpuRecipe) -> dict:
@@ -288,27 +291,22 @@ def _run(r: GpuRecipe, out: Path, runlog: RunLog) -> dict:
         cfgs.append(cfg)
     rng = np.random.default_rng(r.seed)
     order = np.array([], np.int64)
-    step, total = 0, None
+    step = 0
     t_train = time.monotonic()
-    t_measure = t_train  # the step time is measured over steps 10-30, past the first steps' set-up
+    t_stop = end - 60 * 0.4  # the rest is for the last save and its held-out replay
+    runlog.write(phase="schedule", training_seconds=round(t_stop - t_train, 1))
     next_save = t_train + 60 * r.save_minutes
     stats = [{"loss": 0.0, "n": 0, "correct": 0, "valid": 0} for _ in models]
     record: dict = {}
     while True:
         now = time.monotonic()
-        if step == 10:
-            t_measure = now
-        if total is None and step == 30:  # the schedule's length from the measured step time
-            per_step = (now - t_measure) / 20
-            total = max(step + 1, step + int((end - 60 * 0.4 - now) / per_step))
-            runlog.write(phase="schedule", seconds_per_step=round(per_step, 4), steps=total)
-        if (total is not None and step >= total) or now > end - 60 * 0.4:
+        if now > t_stop:
             break
         if order.size < r.seqs_per_step:
             order = np.concatenate([order, rng.permutation(corpus.n_sequences)])
         rows, order = order[:r.seqs_per_step], order[r.seqs_per_step:]
         anchors, real = choose_anchors(corpus, rows, r.anchors_per_seq, rng)
-        lr = lr_at(step, total or 10 ** 9, r)
+        lr = lr_at(step, (now - t_train) / max(1e-9, t_stop - t_train), r)
         for m, opt, st in zip(models, opts, stats):
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -324,7 +322,7 @@ def _run(r: GpuRecipe, out: Path, runlog: RunLog) -> dict:
             st["valid"] += s["valid"]
         step += 1
         if step % 100 == 0:
-            record = {"step": step, "of": total, "lr": lr, "seconds": round(time.monotonic() - start, 1),
+            record = {"step": step, "lr": lr, "seconds": round(time.monotonic() - start, 1),
                       "loss": [round(st["loss"] / st["n"], 4) for st in stats],
                       "acc1": [round(st["correct"] / max(1, st["valid"]), 4) for st in stats]}
             runlog.write(**record)

@@ -42,6 +42,6 @@ def test_the_shipped_drafter_accepts_in_the_real_loop():
                 assert compare_to_plain(res, plain_greedy(t, prompt, 64), 0.5)["lossless"]
                 rounds += len(res.stats.rounds)
                 emitted += sum(r.n_emitted for r in res.stats.rounds)
-    # measured 1.31 here (Zen 5, one thread); random weights give 1.00-1.05
-    print(f"tokens per round: {emitted / rounds:.3f}")
-    assert emitted / rounds > 1.2, emitted / rounds
+    # measured 1.68 here (Zen 5, one thread; the 2-layer CPU-trained drafter before it: 1.31);
+    # random weights give 1.00-1.05
+    assert emitted / rounds > 1.5, emitted / rounds

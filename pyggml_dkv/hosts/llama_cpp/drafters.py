@@ -24,23 +24,14 @@ from ... import reference
 from ...model.config import DraftConfig
 from ...model.weights import DraftWeights
 from .errors import IncompatibleDrafterError
+# the SmolLM2 drafter shape lives beside the model's download (hosts/smollm2.py), free of ggml and
+# llama.cpp so that a GPU training machine reads it without either; re-exported here
+from ..smollm2 import SMOLLM2_LAYER_IDS, smollm2_draft_config  # noqa: F401
 from .gguf import GGUFFile
 from .sampling import draw_rows, sampling_probs
 
 log = logging.getLogger(__name__)
 
-# A DFlash drafter shape for SmolLM2-135M (hidden 576, 30 layers, vocab 49152): five target
-# layers spread over the depth, a Qwen3-style block with SmolLM2's attention geometry.
-SMOLLM2_LAYER_IDS = (1, 8, 15, 22, 28)
-
-
-def smollm2_draft_config(**changes: Any) -> DraftConfig:
-    base: dict[str, Any] = dict(hidden=576, n_layer=1, n_head=9, n_head_kv=3, head_dim=64, ffn=1536,
-                                block_size=16, n_target_layers=len(SMOLLM2_LAYER_IDS),
-                                target_layer_ids=list(SMOLLM2_LAYER_IDS), rms_eps=1e-5, rope_theta=100_000.0,
-                                mask_token_id=0, vocab=49152)
-    base.update(changes)
-    return DraftConfig(**base)
 
 
 class DraftSource(Protocol):
