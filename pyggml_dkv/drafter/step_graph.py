@@ -85,7 +85,7 @@ class CacheMemory:
         # base (uploaded once) and its context row (uploaded each step): drafter.masks
         self.mask_full = m.new_tensor("f16", geo.kv_total, geo.mask_rows, name="mask_full") if masks.full else None
         self.mask_swa = m.new_tensor("f16", geo.kv_total, geo.mask_rows, name="mask_swa") if masks.sliding else None
-        self.mask_parts = {}
+        self.mask_parts: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (base, row) of a split mask
         for name, mask in (("mask_full", masks.full), ("mask_swa", masks.sliding)):
             if isinstance(mask, SplitMask):
                 self.mask_parts[name] = (m.new_tensor("f16", geo.kv_total, geo.mask_rows, name=f"{name}_base"),

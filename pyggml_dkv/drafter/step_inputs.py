@@ -11,7 +11,7 @@ import numpy as np
 from ..ggml.delta import DeltaUpload
 from .bulk_append import read_rows
 from .features import FeatureRing
-from .masks import StepMasks
+from .masks import MaskImage, SplitMask, StepMasks
 from .step_graph import CacheMemory, Geometry
 
 
@@ -23,17 +23,19 @@ class StepInputs:
         self._rows = np.full(geo.a_step, geo.trash_slot, dtype=np.int32)
         self._pos_q = np.zeros(geo.q_len, dtype=np.int32)
         self._q_offsets = np.arange(geo.q_len, dtype=np.int32)
+        # a split mask's base is constant: re-uploaded through a DeltaUpload every step, it costs
+        # nothing until something (a buffer clear) makes the DeltaUpload forget the device's copy
+        self._bases: list[tuple[DeltaUpload, np.ndarray]] = []
         self._full = self._mask_upload("mask_full", masks.full)
         self._sliding = self._mask_upload("mask_swa", masks.sliding)
 
-    def _mask_upload(self, name: str, mask) -> DeltaUpload | None:  # noqa: ANN001
-        """The upload of a mask's per-step part: the whole image, or a split mask's row (its base
-        goes up once, here)."""
+    def _mask_upload(self, name: str, mask: MaskImage | SplitMask | None) -> DeltaUpload | None:
+        """The upload of a mask's per-step part: the whole image, or a split mask's row."""
         if mask is None:
             return None
-        if name in self.mem.mask_parts:
+        if isinstance(mask, SplitMask):
             base, row = self.mem.mask_parts[name]
-            base.set(mask.base)
+            self._bases.append((DeltaUpload.for_tensor(base), mask.base))
             return DeltaUpload.for_tensor(row)
         return DeltaUpload.for_tensor(getattr(self.mem, name))
 
@@ -58,6 +60,8 @@ class StepInputs:
         """Noise positions committed + j, and the masks of the window [lo, committed)."""
         np.add(committed, self._q_offsets, out=self._pos_q)
         self.mem.pos_q.set(self._pos_q)
+        for upload, image in self._bases:
+            upload.upload(image)
         full, sliding = self.masks.fill(slot_pos, lo, committed)
         if full is not None:
             self._full.upload(full)  # type: ignore[union-attr]

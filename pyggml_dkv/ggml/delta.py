@@ -71,7 +71,8 @@ class DeltaUpload:
             self.bytes_sent, self.runs_sent = raw.nbytes, 1
             return
         changed = np.flatnonzero(words != last)
-        if changed.size == 0:
+        if changed.size == 0:  # the device holds these bytes already
+            self._last = last
             self.bytes_sent, self.runs_sent = 0, 0
             return
         item = words.itemsize

@@ -73,6 +73,33 @@ def test_split_masks_over_rpc_are_bit_identical_to_whole_masks(cpu, shared_serve
         assert np.array_equal(a, b), f"step {step} differs"
 
 
+def test_split_masks_survive_a_buffer_clear(cpu, shared_server):
+    """Clearing the cache's buffer between steps (as a C-style host may) wipes a split mask's base
+    on the server too: the next step must send it again, not compute on a zeroed base."""
+    cfg = DraftConfig.toy()
+    w = DraftWeights.random(cfg, seed=8)
+    feats = np.random.default_rng(9).standard_normal((200, cfg.fc_in)).astype(np.float32)
+
+    def run_with_clear(backend: Backend) -> tuple[list[str], list[np.ndarray]]:
+        ring = FeatureRing(2 * CAP, cfg.fc_in)
+        outs, written = [], 0
+        with w.to_backend(backend, "f16", repack=False) as bw, DraftKvCache(bw, backend, CAP) as c:
+            for step, (committed, noise) in enumerate(trajectory(cfg, 12)):
+                ring.append(feats[written:committed])
+                written = committed
+                if step == 6:
+                    c.mem_buf.clear(0)  # K/V and every input zeroed, on both sides alike
+                outs.append(c.step(ring, committed, noise))
+            return sorted(c.memory.mask_parts), outs
+
+    local_split, local = run_with_clear(cpu)
+    with Backend(shared_server.spec) as remote:
+        remote_split, over_rpc = run_with_clear(remote)
+    assert local_split == [] and remote_split == ["mask_full"]
+    for step, (a, b) in enumerate(zip(local, over_rpc)):
+        assert np.array_equal(a, b, equal_nan=True), f"step {step} differs"
+
+
 def start_cache(backend: Backend, timeout_steps: int = 5):
     cfg = DraftConfig.toy()
     w = DraftWeights.random(cfg, seed=0)

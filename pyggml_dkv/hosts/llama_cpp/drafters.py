@@ -23,15 +23,14 @@ import numpy as np
 from ... import reference
 from ...model.config import DraftConfig
 from ...model.weights import DraftWeights
-from .errors import IncompatibleDrafterError
 # the SmolLM2 drafter shape lives beside the model's download (hosts/smollm2.py), free of ggml and
 # llama.cpp so that a GPU training machine reads it without either; re-exported here
 from ..smollm2 import SMOLLM2_LAYER_IDS, smollm2_draft_config  # noqa: F401
+from .errors import IncompatibleDrafterError
 from .gguf import GGUFFile
 from .sampling import draw_rows, sampling_probs
 
 log = logging.getLogger(__name__)
-
 
 
 class DraftSource(Protocol):
