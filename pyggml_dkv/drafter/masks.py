@@ -81,11 +81,6 @@ class SplitMask:
         self.row[:, :self.n_ctx] = np.where(visible, ZERO, NEG_INF)
         return self.row
 
-    @property
-    def image(self) -> np.ndarray:
-        """The whole mask, as the device computes it (base + row)."""
-        return self.base + self.row
-
 
 class StepMasks:
     """The full-layer and sliding-layer masks of one drafter's step, over a given key layout.

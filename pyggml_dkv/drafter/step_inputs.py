@@ -23,8 +23,8 @@ class StepInputs:
         self._rows = np.full(geo.a_step, geo.trash_slot, dtype=np.int32)
         self._pos_q = np.zeros(geo.q_len, dtype=np.int32)
         self._q_offsets = np.arange(geo.q_len, dtype=np.int32)
-        # a split mask's base is constant: re-uploaded through a DeltaUpload every step, it costs
-        # nothing until something (a buffer clear) makes the DeltaUpload forget the device's copy
+        # a split mask's base is constant: uploaded at the first step and again only when its
+        # DeltaUpload forgot the device's copy (a buffer clear), not compared every step
         self._bases: list[tuple[DeltaUpload, np.ndarray]] = []
         self._full = self._mask_upload("mask_full", masks.full)
         self._sliding = self._mask_upload("mask_swa", masks.sliding)
@@ -61,7 +61,8 @@ class StepInputs:
         np.add(committed, self._q_offsets, out=self._pos_q)
         self.mem.pos_q.set(self._pos_q)
         for upload, image in self._bases:
-            upload.upload(image)
+            if not upload.knows_device:
+                upload.upload(image)
         full, sliding = self.masks.fill(slot_pos, lo, committed)
         if full is not None:
             self._full.upload(full)  # type: ignore[union-attr]

@@ -50,6 +50,12 @@ class DeltaUpload:
         """Enabled for a tensor in an RPC buffer, a plain whole upload elsewhere."""
         return cls(tensor, enabled=_on_rpc(tensor.ptr))
 
+    @property
+    def knows_device(self) -> bool:
+        """Whether it knows what the device holds (False before the first upload and after a write
+        or clear that bypassed it: the next upload is whole)."""
+        return self._last is not None
+
     def invalidate(self) -> None:
         """Forget what the device holds (after something else wrote the tensor): next upload is whole."""
         self._last = None

@@ -7,10 +7,6 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..model.weights import DraftWeights
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -45,23 +41,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_drafter(spec: str) -> "DraftWeights":
-    """A dflash checkpoint directory or .gguf, or a gpu-run's weight parts (OUT/drafter-4l)."""
-    from .gpu_run import read_weights
-
-    return read_weights(spec)
-
-
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
     from ..hosts.smollm2 import smollm2_gguf
     from .data import load_corpus
     from .evaluate import offline_acceptance
+    from .gpu_run import read_weights
     from .model import load_weights, new_model
     from .train import frozen_from_gguf
 
-    weights = read_drafter(args.drafter)
+    weights = read_weights(args.drafter)
     model = new_model(weights.cfg, 0)
     load_weights(model, weights)
     result = offline_acceptance(model, frozen_from_gguf(str(args.model or smollm2_gguf())), load_corpus(args.data),
@@ -72,8 +62,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from ..hosts.smollm2 import smollm2_gguf
+    from .gpu_run import read_weights
 
-    weights = read_drafter(args.drafter)
+    weights = read_weights(args.drafter)
     out = weights.save_pretrained(args.out, format="gguf", dtype=args.dtype, vocab_from=args.model or smollm2_gguf())
     logging.getLogger(__name__).info("wrote %s", out)
     return 0

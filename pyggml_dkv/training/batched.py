@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from .evaluate import replay_summary
 from .objective import anchor_range, simulated_rounds
 
 
@@ -164,7 +165,4 @@ def batch_acceptance(model: torch.nn.Module, embed: torch.Tensor, lm_head: torch
             every.append(acc + 1)
             rounds += simulated_rounds(acc, rng_, int(corpus.lengths[i]))
     model.train(was_training)
-    hist = np.bincount(np.array(rounds, dtype=np.int64) - 1, minlength=block).tolist() if rounds else []
-    return {"sequences": corpus.n_sequences, "rounds": len(rounds),
-            "tokens_per_round": float(np.mean(rounds)) if rounds else 0.0,
-            "every_anchor_mean": float(np.concatenate(every).mean()) if every else 0.0, "histogram": hist}
+    return replay_summary(corpus.n_sequences, rounds, every, block)

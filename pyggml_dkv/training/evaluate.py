@@ -34,7 +34,11 @@ def offline_acceptance(model: torch.nn.Module, frozen: Frozen, corpus: Corpus, m
         every.append(acc + 1)
         rounds += simulated_rounds(acc, anchors, tokens.size)
     model.train(was_training)
-    block = int(model.block_size)
+    return replay_summary(n, rounds, every, int(model.block_size))
+
+
+def replay_summary(sequences: int, rounds: list[int], every: list[np.ndarray], block: int) -> dict:
+    """tokens per round of the replayed rounds, the every-anchor mean, the histogram of round lengths."""
     hist = np.bincount(np.array(rounds, dtype=np.int64) - 1, minlength=block).tolist() if rounds else []
-    return {"sequences": n, "rounds": len(rounds), "tokens_per_round": float(np.mean(rounds)) if rounds else 0.0,
+    return {"sequences": sequences, "rounds": len(rounds), "tokens_per_round": float(np.mean(rounds)) if rounds else 0.0,
             "every_anchor_mean": float(np.concatenate(every).mean()) if every else 0.0, "histogram": hist}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from .batched import DeviceCorpus, batch_acceptance, batch_loss, choose_anchors
 from .model import load_weights, new_model, to_draft_weights
 from .selfgen import continue_prompts, self_prompts, unpack
 from .torch_target import TorchLlama, features_and_argmax
+from .train import adamw, cosine_decay
 
 log = logging.getLogger(__name__)
 
@@ -238,8 +238,7 @@ def lr_at(step: int, progress: float, r: GpuRecipe) -> float:
     hard to foresee on a GPU (the first steps of each new shape are slow: a schedule sized from
     steps 10-30 of one run stopped at 40% of its time), so the decay follows the clock."""
     warm = min(1.0, (step + 1) / r.warmup_steps)
-    p = min(1.0, max(0.0, progress))
-    return r.lr * warm * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+    return r.lr * warm * cosine_decay(max(0.0, progress), r.min_lr_ratio)
 
 
 def run(r: GpuRecipe) -> dict:
@@ -283,10 +282,7 @@ def _run(r: GpuRecipe, out: Path, runlog: RunLog) -> dict:
             load_weights(m, start_from)
             runlog.write(phase="init", source=r.init)
         m = m.to(dev)
-        decay = [p for p in m.parameters() if p.ndim >= 2]
-        no_decay = [p for p in m.parameters() if p.ndim < 2]
-        opts.append(torch.optim.AdamW([{"params": decay, "weight_decay": r.weight_decay},
-                                       {"params": no_decay, "weight_decay": 0.0}], lr=r.lr, betas=(0.9, 0.95)))
+        opts.append(adamw(m, r.lr, r.weight_decay))
         models.append(m)
         cfgs.append(cfg)
     rng = np.random.default_rng(r.seed)

@@ -58,11 +58,24 @@ class TrainConfig:
         return DraftConfig(**self.draft)
 
 
+def cosine_decay(t: float, min_ratio: float) -> float:
+    """1 at t = 0 down to min_ratio at t >= 1, along half a cosine."""
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     t = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+    return cfg.lr * cosine_decay(t, cfg.min_lr_ratio)
+
+
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (0.9, 0.95), weight decay on matrices only (not on norms)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -101,10 +114,7 @@ def train(cfg: TrainConfig, *, max_steps: int | None = None) -> dict:
         init_from_target(model, dcfg, GGUFFile(cfg.model), cfg.init_layers)
     if cfg.scale_features:
         scale_features(model, feature_scale(corpus.features, seed=cfg.seed))
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = adamw(model, cfg.lr, cfg.weight_decay)
     per_epoch = corpus.n_sequences // cfg.seqs_per_step
     total = max(1, int(per_epoch * cfg.epochs))
     step = 0

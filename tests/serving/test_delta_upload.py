@@ -42,7 +42,9 @@ def test_device_holds_every_array_and_little_is_sent(cpu, shared_server, where):
                       lambda: t.set_bytes(np.zeros(16, np.uint8), offset=t.nbytes - 16),
                       lambda: t.fill(7),
                       lambda: buf.clear(0)):
+        assert up.knows_device
         overwrite()
+        assert not up.knows_device
         up.upload(m)  # the same array as last time: must still reach the device whole
         assert up.bytes_sent == t.nbytes and np.array_equal(t.numpy(), m.astype(np.float32))
     for _ in range(3):  # an unchanged upload sends nothing, and the next one still knows the device
