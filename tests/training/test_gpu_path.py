@@ -19,13 +19,14 @@ from pyggml_dkv.training.__main__ import main as training_cli  # noqa: E402
 from pyggml_dkv.training.batched import DeviceCorpus, batch_acceptance, batch_loss, choose_anchors  # noqa: E402
 from pyggml_dkv.training.data import Corpus  # noqa: E402
 from pyggml_dkv.training.evaluate import offline_acceptance  # noqa: E402
-from pyggml_dkv.training.gpu_run import GpuRecipe, drafter_config, load_parts, save_parts  # noqa: E402
+from pyggml_dkv.training.gpu_run import GpuRecipe, drafter_config, load_parts, lr_at, save_parts  # noqa: E402
 from pyggml_dkv.training.model import new_model, to_draft_weights  # noqa: E402
 from pyggml_dkv.training.objective import Frozen, sequence_loss  # noqa: E402
 from pyggml_dkv.training.prompts import REQUEST_OPENERS  # noqa: E402
 from pyggml_dkv.training.selfgen import prompt_pack, self_prompts, unpack  # noqa: E402
 from pyggml_dkv.training.torch_target import TorchLlama, features_and_argmax, generate  # noqa: E402
 
+from tests.child import run_in_child  # noqa: E402
 from tests.hosts.hosts_helpers import THREADS, smollm2_path  # noqa: E402
 
 LAYERS = tuple(SMOLLM2_LAYER_IDS)
@@ -256,3 +257,19 @@ def test_a_gpu_run_recipe_refuses_bad_settings_by_name(tmp_path):
         GpuRecipe(**{**ok, "init": str(tmp_path / "nothing")})
     with pytest.raises(ValueError, match="one depth"):
         GpuRecipe(**{**ok, "layers": [2, 4], "init": str(pack_file)})
+
+
+def test_the_gpu_route_needs_neither_our_extension_nor_llama_cpp():
+    """A GPU machine runs gpu-run from a checkout with PyTorch alone (docs/training.md)."""
+    done = run_in_child("tests.training.gpu_route_child:import_without_ggml_or_llama_cpp", timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_the_learning_rate_warms_up_by_steps_and_decays_by_the_clock(tmp_path):
+    pack_file = tmp_path / "prompts.npz"
+    pack_file.write_bytes(b"x")
+    r = GpuRecipe(pack=str(pack_file), model=str(smollm2_path()), out=str(tmp_path), draft={}, device="cpu",
+                  lr=1e-3, warmup_steps=10, min_lr_ratio=0.05)
+    assert lr_at(0, 0.0, r) == pytest.approx(1e-4) and lr_at(9, 0.0, r) == pytest.approx(1e-3)
+    assert lr_at(500, 0.5, r) == pytest.approx(1e-3 * (0.05 + 0.95 * 0.5))
+    assert lr_at(500, 1.0, r) == pytest.approx(5e-5) and lr_at(500, 3.0, r) == pytest.approx(5e-5)
