@@ -8,10 +8,12 @@ committed and one noise block of q_len tokens [last, mask, ...] is drafted, logi
 vocab) included and copied to the host.
   ours_logits  DraftKvCache (cap = W, committed grows by n_new per step) on the GGUF's own
                weights (dtype "native": the file's f16 / q8_0 blocks), token_embd / output from
-               the file: step_tokens(ring, committed, tokens, output="logits")
+               the file (output repacked like the drafter's matrices: the VNNI / AMX q8_0 kernels),
+               step_tokens(ring, committed, tokens, output="logits")
   ours_ids     the same with output="ids": in-graph argmax, no logits copied (information)
   llama_fa / llama_nofa  llama.cpp's drafter context (libllama C API in a child process, see
-               pyggml_dkv/hosts/llama_cpp/native_dflash_child.py) with flash attention on / off: inject the
+               pyggml_dkv/hosts/llama_cpp/native_dflash_child.py; OpenMP's default wait policy, its
+               fastest, see --llama-omp-wait-policy) with flash attention on / off: inject the
                n_new feature rows (llama_process on an embedding batch), decode the noise block
                with logits for every row, read them (llama_get_logits_ith), drop the noise rows
                and the position that left the window (llama_memory_seq_rm)
@@ -37,9 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# both ggml builds (ours, llama.cpp's in the child, which inherits the environment) use OpenMP:
-# its default spinning wait policy makes every graph node cost a scheduler slice on a machine
-# where other processes compete for the cores (see bench_step.py); passive unless told otherwise
+# our side: OpenMP's policy only governs the wait between graph computes (patch 0005 gives the node
+# barriers their own spin-then-sleep), and passive keeps a spinning thread from taking a busy core
+# (see bench_step.py). llama.cpp's child gets its own policy (--llama-omp-wait-policy): its ggml
+# meets at `omp barrier` after every node, where PASSIVE costs a futex sleep per node
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
@@ -83,7 +86,7 @@ class Ours:
         self.backend = Backend("cpu", n_threads=threads)
         self.bw = self.g.to_backend(self.backend, "native")
         self.emb, self.emb_buf = upload_stored(self.backend, self.g.stored["embed_tokens"], "embed_tokens")
-        self.head, self.head_buf = upload_stored(self.backend, self.g.stored["lm_head"], "lm_head")
+        self.head, self.head_buf = upload_stored(self.backend, self.g.stored["lm_head"], "lm_head", matmul_only=True)
         self.tokens = np.full(self.g.cfg.block_size, self.g.cfg.mask_token_id, dtype=np.int32)
         self.tokens[0] = 11
         self.rng = np.random.default_rng(1)
@@ -116,19 +119,21 @@ class Ours:
 
 
 def bench_llama(path: Path, windows: list[int], n_new: int, reps: int, warmup: int,
-                threads: int) -> dict[str, dict[int, list[float]]]:
+                threads: int, omp_wait_policy: str | None) -> dict[str, dict[int, list[float]]]:
     cfg = DraftConfig(**SMALL)
     out = {}
     for name, fa in (("llama_fa", True), ("llama_nofa", False)):
         out[name] = llama_dflash_bench(path, windows, fc_in=cfg.fc_in, q_len=cfg.block_size, n_new=n_new, reps=reps,
-                                       warmup=warmup, flash_attn=fa, threads=threads, timeout=1800)
+                                       warmup=warmup, flash_attn=fa, threads=threads,
+                                       omp_wait_policy=omp_wait_policy, timeout=1800)
     return out
 
 
 def report(results: dict, args: argparse.Namespace) -> None:
     print(f"\nDFlash draft step, ours vs llama.cpp (same GGUF, `small` drafter, vocab {N_VOCAB}, "
           f"{args.n_new} new rows + {SMALL['block_size']}-token noise block with logits)")
-    print(f"CPU: {results['cpu']}, {args.threads} threads, OMP_WAIT_POLICY={results['omp_wait_policy']}, "
+    print(f"CPU: {results['cpu']}, {args.threads} threads, OMP_WAIT_POLICY ours {results['omp_wait_policy']}, "
+          f"llama.cpp {results['llama_omp_wait_policy'] or 'default'}, "
           f"load average {results['load_avg_start'][0]:.1f} at the start; median ms (p10)")
     systems = ("ours_logits", "ours_ids", "llama_fa", "llama_nofa")
     for dtype, res in results["runs"].items():
@@ -160,8 +165,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--n-new", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-omp-wait-policy", choices=("default", "active", "passive"), default="default",
+                    help="OMP_WAIT_POLICY of llama.cpp's process (default: unset, OpenMP's default, its fastest)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
+    args.llama_omp_wait_policy = None if args.llama_omp_wait_policy == "default" else args.llama_omp_wait_policy
     args.dtypes = args.dtypes.split(",")
     args.windows = [int(w) for w in args.windows.split(",")]
     return args
@@ -173,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     if not llama_cpp_available():
         raise SystemExit("llama-cpp-python is not installed (pip install pyggml_dkv[llama])")
     results: dict = {"cpu": cpu_name(), "threads": args.threads, "n_new": args.n_new,
-                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_avg_start": os.getloadavg(), "runs": {}}
+                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                     "llama_omp_wait_policy": args.llama_omp_wait_policy, "load_avg_start": os.getloadavg(), "runs": {}}
     per_round = max(1, args.reps // args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
@@ -184,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
                 # rounds alternate the two sides, so machine noise hits both alike
                 for r in range(args.rounds):
                     for part in (ours.run(args.windows, args.n_new, per_round, args.warmup),
-                                 bench_llama(path, args.windows, args.n_new, per_round, args.warmup, args.threads)):
+                                 bench_llama(path, args.windows, args.n_new, per_round, args.warmup, args.threads,
+                                             args.llama_omp_wait_policy)):
                         for name, by_w in part.items():
                             for W, t in by_w.items():
                                 samples.setdefault(name, {}).setdefault(int(W), []).extend(t)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ggml import Backend, Buffer, Context, Tensor, lib
+from ..ggml import Backend, Buffer, Context, Tensor, cpu_extra_buffer_types, lib
 from ..ggml.types import ggml_type
+from .backend_weights import repack_buffer
 
 # ggml types a StoredMatrix may hold: the float types and the quantized ones we run and test
 STORED_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
@@ -43,13 +44,25 @@ class StoredMatrix:
         return int(self.raw.nbytes)
 
 
-def upload_stored(backend: Backend, matrix: StoredMatrix, name: str) -> tuple[Tensor, Buffer]:
+def upload_stored(backend: Backend, matrix: StoredMatrix, name: str, matmul_only: bool = False) -> tuple[Tensor, Buffer]:
     """Upload one stored matrix as-is into its own buffer (e.g. a GGUF drafter's token_embd /
     output, to pass to DraftKvCache as `embed_tokens` / `lm_head`). Close the buffer, then the
-    tensor's context, when done."""
+    tensor's context, when done.
+
+    `matmul_only`: the matrix is only ever multiplied (an lm_head, never an embedding table read
+    with get_rows), so its blocks may go to a repacking buffer (AMX, or the AVX512-VNNI q8_0
+    kernel) like BackendWeights' matrices; in an ordinary buffer a q8_0 lm_head runs ggml's
+    generic q8_0 product, several times slower on CPUs without AMX.
+    """
+    if not isinstance(matmul_only, bool):
+        raise TypeError(f"matmul_only must be a bool, got {type(matmul_only).__name__}")
     ctx = Context(n_tensors=1)
     t = ctx.new_tensor(matrix.type_name, matrix.shape[1], matrix.shape[0], name=name[-63:])
-    buf = Buffer.alloc_ctx_tensors(ctx, backend)
+    kind = repack_buffer(backend, matrix.type_name, *matrix.shape) if matmul_only else None
+    if kind is not None:
+        buf = Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], backend)
+    else:
+        buf = Buffer.alloc_ctx_tensors(ctx, backend)
     buf.set_usage_weights()
     t.set_bytes(np.ascontiguousarray(matrix.raw).reshape(-1))
     return t, buf

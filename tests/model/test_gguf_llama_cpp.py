@@ -12,7 +12,9 @@ import pytest
 from pyggml_dkv import DraftKvCache, FeatureRing
 from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
-from pyggml_dkv.hosts.llama_cpp.native_dflash import llama_cpp_available, llama_dflash_trajectory, llama_model_info
+from pyggml_dkv.hosts.llama_cpp import native_dflash
+from pyggml_dkv.hosts.llama_cpp.native_dflash import (llama_cpp_available, llama_dflash_bench, llama_dflash_trajectory,
+                                                      llama_model_info)
 from pyggml_dkv.model.config import DraftConfig
 from pyggml_dkv.model.stored import upload_stored
 from pyggml_dkv.model.weights import DraftWeights
@@ -126,3 +128,26 @@ def test_llama_cpp_drafter_matches_ours(dtype, flash_attn, tmp_path, target_gguf
         parity_log(f"{name} (logits)", f"w={dtype} kv=f16", e, case)
     parity_log("llama.cpp-vs-ours draft-id disagreement", f"w={dtype} kv=f16", 1.0 - float(np.mean(agree)), case)
     assert errs["llama.cpp-vs-ours"] <= TOL[(dtype, flash_attn)], errs
+
+
+def test_llama_dflash_bench_wait_policies(tmp_path, target_gguf, monkeypatch):
+    """The step benchmark's llama.cpp side runs under the OpenMP wait policy asked for (its own
+    default when None, whatever this process has), and refuses a policy OpenMP does not know."""
+    w = drafter(49152)
+    path = w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype="f16", vocab_from=target_gguf)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the benchmark's own process: must not leak into the child
+    seen = []
+    real_run = native_dflash.subprocess.run
+
+    def run(*args, **kwargs):
+        seen.append(kwargs["env"].get("OMP_WAIT_POLICY"))
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(native_dflash.subprocess, "run", run)
+    for policy in (None, "passive", "active"):
+        times = llama_dflash_bench(path, [8, 20], fc_in=w.cfg.fc_in, q_len=w.cfg.block_size, n_new=3, reps=2, warmup=1,
+                                   threads=1, omp_wait_policy=policy)
+        assert sorted(times) == [8, 20] and all(len(t) == 2 and min(t) > 0 for t in times.values()), (policy, times)
+    assert seen == [None, "PASSIVE", "ACTIVE"]
+    with pytest.raises(ValueError, match="omp_wait_policy"):
+        llama_dflash_bench(path, [8], fc_in=w.cfg.fc_in, q_len=w.cfg.block_size, omp_wait_policy="spin")

@@ -61,7 +61,8 @@ def test_native_quantized_step_matches_reference(dtype, tmp_path, vocab_file, cp
             if g[name].ndim == 2:  # ggml's dequantization of the uploaded blocks == gguf's (the host copy)
                 np.testing.assert_array_equal(t.numpy(), g[name], err_msg=name)
     with g.to_backend(cpu, "native") as bw:  # q8_0 may go to a repacking buffer: the step must agree all the same
-        head, head_buf = upload_stored(cpu, g.stored["lm_head"], "lm_head")
+        # the lm_head is only multiplied: it may be repacked too (its q8_0 blocks on the VNNI / AMX kernels)
+        head, head_buf = upload_stored(cpu, g.stored["lm_head"], "lm_head", matmul_only=True)
         try:
             with DraftKvCache(bw, cpu, cap, cache_type="f32") as hid, \
                     DraftKvCache(bw, cpu, cap, lm_head=head, cache_type="f32") as lgt:
@@ -79,3 +80,35 @@ def test_native_quantized_step_matches_reference(dtype, tmp_path, vocab_file, cp
             head.ctx.close()
     for what, e in worst.items():
         parity_log(f"gguf-native-vs-reference ({what})", f"w={dtype} kv=f32", e, "toy 256/2L, cap 70")
+
+
+def test_upload_stored_repacks_only_matmul_matrices(tmp_path, vocab_file, cpu):
+    """An lm_head uploaded with matmul_only goes where BackendWeights puts q8_0 matrices (AMX /
+    CPU_REPACK where the CPU has the kernel; without, an ordinary buffer, like every matrix
+    uploaded without matmul_only), and the logits agree with the ordinary buffer's (ggml's generic
+    q8_0 product) to rounding."""
+    cfg = DraftConfig.toy(vocab=N_VOCAB, mask_token_id=3, target_layer_ids=[1, 4, 7])
+    rng = np.random.default_rng(6)
+    w = DraftWeights(cfg, dict(DraftWeights.random(cfg, seed=6)),
+                     lm_head=rng.standard_normal((N_VOCAB, cfg.hidden), dtype=np.float32) / np.float32(16))
+    g = DraftWeights.from_pretrained(w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype="q8_0",
+                                                       vocab_from=vocab_file))
+    feats = rng.standard_normal((40, cfg.fc_in)).astype(np.float32)
+    ring = FeatureRing(64, cfg.fc_in)
+    ring.append(feats)
+    noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
+    with g.to_backend(cpu, "native") as bw:
+        logits = {}
+        for matmul_only in (False, True):
+            head, head_buf = upload_stored(cpu, g.stored["lm_head"], "lm_head", matmul_only=matmul_only)
+            try:
+                assert head_buf.name == (bw.repack_kind if matmul_only and bw.repack_kind else "CPU"), head_buf.name
+                with DraftKvCache(bw, cpu, 32, lm_head=head, cache_type="f32") as cache:
+                    logits[matmul_only] = cache.step(ring, 40, noise)
+            finally:
+                for obj in (head_buf, head.ctx):
+                    obj.close()
+    scale = float(np.abs(logits[False]).max())
+    np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=2e-5 * scale)
+    with pytest.raises(TypeError, match="matmul_only"):
+        upload_stored(cpu, g.stored["lm_head"], "lm_head", matmul_only=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,8 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def _run(job: dict[str, Any], arrays: dict[str, np.ndarray], timeout: float) -> tuple[dict[str, Any], Path]:
+def _run(job: dict[str, Any], arrays: dict[str, np.ndarray], timeout: float,
+         env: dict[str, str] | None = None) -> tuple[dict[str, Any], Path]:
     work = Path(tempfile.mkdtemp(prefix="llama_dflash_"))
     for name, arr in arrays.items():
         np.save(work / f"{name}.npy", arr)
@@ -42,7 +44,7 @@ def _run(job: dict[str, Any], arrays: dict[str, np.ndarray], timeout: float) -> 
     job["out"] = str(work)
     (work / "job.json").write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, "-m", CHILD_MODULE, str(work / "job.json")], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
     if proc.returncode != 0 or not (work / "result.json").is_file():
         raise LlamaCppError(f"llama.cpp child ({job['mode']}) exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     log.debug("llama.cpp child log tail:\n%s", proc.stderr[-2000:])
@@ -70,9 +72,20 @@ def llama_dflash_trajectory(gguf: str | Path, feats: np.ndarray, commits: list[i
 
 def llama_dflash_bench(gguf: str | Path, windows: list[int], *, fc_in: int, q_len: int, n_new: int = 9,
                        reps: int = 20, warmup: int = 3, flash_attn: bool = True, threads: int = 2,
-                       timeout: float = 600) -> dict[int, list[float]]:
-    """Seconds per steady-state step (n_new context rows + one noise block with logits) per window."""
+                       omp_wait_policy: str | None = None, timeout: float = 600) -> dict[int, list[float]]:
+    """Seconds per steady-state step (n_new context rows + one noise block with logits) per window.
+
+    `omp_wait_policy`: OMP_WAIT_POLICY for llama.cpp's process ("active" / "passive"), or None for
+    OpenMP's default (spin a while, then sleep), whatever this process has. llama.cpp's ggml meets
+    at `omp barrier` after every graph node, so PASSIVE (a futex sleep per node) slows its draft
+    step by ~1.3x (benchmarks/README.md); its fastest setting is the default.
+    """
+    if omp_wait_policy is not None and omp_wait_policy.lower() not in ("active", "passive"):
+        raise ValueError(f"omp_wait_policy must be 'active', 'passive' or None, got {omp_wait_policy!r}")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if omp_wait_policy is not None:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy.upper()
     job = dict(mode="bench", gguf=str(gguf), windows=[int(w) for w in windows], fc_in=fc_in, q_len=q_len,
                n_new=n_new, reps=reps, warmup=warmup, flash_attn=flash_attn, threads=threads)
-    result, _ = _run(job, {}, timeout)
+    result, _ = _run(job, {}, timeout, env)
     return {int(w): t for w, t in result["times"].items()}
