@@ -14,8 +14,9 @@ from tests.child import run_in_child
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the futex barrier is Linux-only")
 def test_waiting_thread_sleeps_in_graph_barriers():
-    """With vendor/patches/0005 a thread waiting at a node's barrier spins ~256 pauses and then
-    sleeps, even under OMP_WAIT_POLICY=ACTIVE (which makes `omp barrier` spin without end: on a
+    """With vendor/patches/0005 a thread waiting at a node's barrier spins a few pauses and then
+    sleeps (256-4096 pauses, adapted by 0014: back to 256 after every wait that ended asleep, so a
+    thread whose waits are long, like this graph's, spins 256), even under OMP_WAIT_POLICY=ACTIVE (which makes `omp barrier` spin without end: on a
     shared machine that burns the time slices a descheduled partner needs, see
     benchmarks/README.md). A graph of single-threaded nodes then costs one core, not two."""
     if "0005-cpu-barrier-spin-then-futex.patch" not in built_with_patches():
