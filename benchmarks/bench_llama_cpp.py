@@ -11,6 +11,9 @@ vocab) included and copied to the host.
                the file (output repacked like the drafter's matrices: the VNNI / AMX q8_0 kernels),
                step_tokens(ring, committed, tokens, output="logits")
   ours_ids     the same with output="ids": in-graph argmax, no logits copied (information)
+  ours_head_q8 (a GGUF whose output is not q8_0) the same with the lm_head uploaded as q8_0
+               (lm_head_dtype="q8_0"; on AMX / VNNI its product takes a third of the f16 one),
+               with how far its logits and draft ids are from the file's head
   llama_fa / llama_nofa  llama.cpp's drafter context (libllama C API in a child process, see
                pyggml_dkv/hosts/llama_cpp/native_dflash_child.py; OpenMP's default wait policy, its
                fastest, see --llama-omp-wait-policy) with flash attention on / off: inject the
@@ -91,27 +94,44 @@ class Ours:
         self.tokens[0] = 11
         self.rng = np.random.default_rng(1)
 
-    def run(self, windows: list[int], n_new: int, reps: int, warmup: int) -> dict[str, dict[int, list[float]]]:
+    def run(self, windows: list[int], n_new: int, reps: int, warmup: int) -> tuple[dict, dict]:
+        """Seconds per step per system and window, and (for a GGUF whose head is not q8_0) how far
+        the q8_0 head's logits and draft ids are from the file's head, per window."""
         cfg = self.g.cfg
-        out: dict[str, dict[int, list[float]]] = {"ours_logits": {}, "ours_ids": {}}
+        head_q8 = self.g.stored["lm_head"].type_name != "q8_0"
+        names = ["ours_logits", "ours_ids"] + (["ours_head_q8"] if head_q8 else [])
+        out: dict[str, dict[int, list[float]]] = {name: {} for name in names}
+        agreement: dict[int, dict[str, float]] = {}
         for W in windows:
-            n_pos = W + 2 * (reps + warmup) * n_new + 1
+            n_pos = W + 2 * (reps + warmup + 1) * n_new + 1
             ring = FeatureRing(n_pos, cfg.fc_in)
             ring.append(self.rng.standard_normal((n_pos, cfg.fc_in), dtype=np.float32))
-            with DraftKvCache(self.bw, self.backend, W, lm_head=self.head, embed_tokens=self.emb) as cache:
-                committed = W
-                cache.step_tokens(ring, committed, self.tokens, output="logits")  # prefill the window
-                samples: dict[str, list[float]] = {"ours_logits": [], "ours_ids": []}
+            with DraftKvCache(self.bw, self.backend, W, lm_head=self.head, embed_tokens=self.emb) as cache, \
+                    DraftKvCache(self.bw, self.backend, W, lm_head=self.g.lm_head if head_q8 else self.head,
+                                 embed_tokens=self.emb, lm_head_dtype="q8_0" if head_q8 else None) as cache_q8:
+                # (system, its cache, output); each cache advances by n_new rows at each of its steps
+                systems = [("ours_logits", cache, "logits"), ("ours_ids", cache, "ids")]
+                systems += [("ours_head_q8", cache_q8, "logits")] if head_q8 else []
+                committed = {id(cache): W, id(cache_q8): W}
+                for c in (cache, cache_q8):
+                    c.step_tokens(ring, W, self.tokens, output="logits")  # prefill the window
+                samples: dict[str, list[float]] = {name: [] for name in names}
                 for k in range(warmup + reps):
-                    for name, output in (("ours_logits", "logits"), ("ours_ids", "ids")):
-                        committed += n_new
+                    for name, c, output in systems:
+                        committed[id(c)] += n_new
                         t0 = time.perf_counter()
-                        cache.step_tokens(ring, committed, self.tokens, output=output)
+                        c.step_tokens(ring, committed[id(c)], self.tokens, output=output)
                         if k >= warmup:
                             samples[name].append(time.perf_counter() - t0)
+                if head_q8:  # both heads on the same committed rows
+                    last = max(committed.values()) + n_new
+                    a = cache.step_tokens(ring, last, self.tokens, output="logits")
+                    b = cache_q8.step_tokens(ring, last, self.tokens, output="logits")
+                    agreement[W] = {"rel_err": float(np.abs(a - b).max() / np.abs(a).max()),
+                                    "draft_ids_equal": float(np.mean(a[1:].argmax(1) == b[1:].argmax(1)))}
             for name, sm in samples.items():
                 out[name][W] = sm
-        return out
+        return out, agreement
 
     def close(self) -> None:
         for obj in (self.emb_buf, self.emb.ctx, self.head_buf, self.head.ctx, self.bw, self.backend):
@@ -149,11 +169,21 @@ def report(results: dict, args: argparse.Namespace) -> None:
             r = res["ours_logits"][W]["median_ms"] / best
             r10 = res["ours_logits"][W]["p10_ms"] / best10
             r_ids = res["ours_ids"][W]["median_ms"] / best
-            res.setdefault("ratios", {})[W] = {"ours_logits_over_best_llama": r, "p10": r10,
-                                               "ours_ids_over_best_llama": r_ids}
+            ratios = {"ours_logits_over_best_llama": r, "p10": r10, "ours_ids_over_best_llama": r_ids}
+            extra = ""
+            if W in res.get("ours_head_q8", {}):
+                rq = res["ours_head_q8"][W]["median_ms"] / best
+                ag = results["head_q8_vs_file_head"][dtype][W]
+                ratios["ours_head_q8_over_best_llama"] = rq
+                extra = (f"   head q8_0 {res['ours_head_q8'][W]['median_ms']:6.2f} ms, {rq:4.2f} {'ok' if rq <= GOAL else 'MISS'}"
+                         f" (logits {ag['rel_err']:.1e}, ids {100 * ag['draft_ids_equal']:.0f}% equal)")
+            res.setdefault("ratios", {})[W] = ratios
             flag = "ok" if r <= GOAL else "MISS"
-            print(f"{W:>6} " + " ".join(cells) + f" {r:>5.2f} ({r10:4.2f}) {flag:>4} {r_ids:>9.2f}")
+            print(f"{W:>6} " + " ".join(cells) + f" {r:>5.2f} ({r10:4.2f}) {flag:>4} {r_ids:>9.2f}" + extra)
     print(f"\ngoal: ours_logits / min(llama_fa, llama_nofa) <= {GOAL} at every window and weight type")
+    if any("ours_head_q8" in res for res in results["runs"].values()):
+        print("head q8_0: ours with the same file's weights but the lm_head uploaded as q8_0 (lm_head_dtype='q8_0');\n"
+              "its logits vs the file's head: max|a-b|/max|a|, and how many of the 15 draft ids are equal")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -192,7 +222,10 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 # rounds alternate the two sides, so machine noise hits both alike
                 for r in range(args.rounds):
-                    for part in (ours.run(args.windows, args.n_new, per_round, args.warmup),
+                    ours_times, agreement = ours.run(args.windows, args.n_new, per_round, args.warmup)
+                    if agreement:
+                        results.setdefault("head_q8_vs_file_head", {})[dtype] = agreement
+                    for part in (ours_times,
                                  bench_llama(path, args.windows, args.n_new, per_round, args.warmup, args.threads,
                                              args.llama_omp_wait_policy)):
                         for name, by_w in part.items():

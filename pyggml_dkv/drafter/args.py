@@ -39,12 +39,23 @@ def check_drafter_args(weights: Any, backend: Any, cap: Any, cache_type: str, sw
     return cap
 
 
-def vocab_matrix(matrix: Any, name: str, weights: BackendWeights, backend: Backend) -> tuple[Tensor | None, Buffer | None]:
+# what an lm_head given as an array may be uploaded as, besides the drafter weights' own type
+LM_HEAD_DTYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+def vocab_matrix(matrix: Any, name: str, weights: BackendWeights, backend: Backend,
+                 dtype: str | None = None) -> tuple[Tensor | None, Buffer | None]:
     """A (vocab, hidden) target matrix on the backend: (tensor, the buffer we uploaded it into or None).
 
     The lm_head is only ever the matrix of a product, so with q8_0 weights it may be repacked for
-    AMX; the token embedding is read with get_rows and never is.
+    AMX / VNNI; the token embedding is read with get_rows and never is. An array is uploaded in
+    `dtype`, or the weights' dtype when None (an already uploaded Tensor keeps its own type).
     """
+    if dtype is not None:
+        check_choice(f"{name}_dtype", dtype, LM_HEAD_DTYPES)
+        if isinstance(matrix, Tensor):
+            raise ValueError(f"{name}_dtype={dtype!r} applies to a {name} given as an array; this {name} is an "
+                             f"uploaded {matrix.type} Tensor")
     if matrix is None:
         return None, None
     cfg = weights.cfg
@@ -57,7 +68,7 @@ def vocab_matrix(matrix: Any, name: str, weights: BackendWeights, backend: Backe
         raise ValueError(f"{name} must be a (vocab, hidden={cfg.hidden}) array, got shape {arr.shape}")
     if cfg.vocab is not None and arr.shape[0] != cfg.vocab:
         raise ValueError(f"{name} has {arr.shape[0]} rows, the config says vocab={cfg.vocab}")
-    return upload_matrix(backend, arr, weights.dtype, name, matmul_only=name == "lm_head" and weights.repack)
+    return upload_matrix(backend, arr, dtype or weights.dtype, name, matmul_only=name == "lm_head" and weights.repack)
 
 
 def check_noise_embed(noise_embed: Any, q_len: int, hidden: int) -> np.ndarray:

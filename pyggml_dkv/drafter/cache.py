@@ -39,11 +39,16 @@ class DraftKvCache:
     """Context-KV ring cache + the once-built step graphs of a DFlash drafter."""
 
     def __init__(self, weights: BackendWeights, backend: Backend, cap: int, lm_head: Any = None,
-                 cache_type: str = "f16", swa: str = "seed", embed_tokens: Any = None, attention: str = "f32") -> None:
+                 cache_type: str = "f16", swa: str = "seed", embed_tokens: Any = None, attention: str = "f32",
+                 lm_head_dtype: str | None = None) -> None:
         """`lm_head` / `embed_tokens`: the target's (vocab, hidden) head and token embedding, as
         arrays (uploaded in the weights' dtype) or uploaded Tensors. With `embed_tokens` the step
         takes token ids (`inp_tokens`) and looks their embeddings up inside the graph; with
         `lm_head` the graph also yields `logits` and their per-row argmax `draft_ids`.
+        `lm_head_dtype` ("f32", "f16", "bf16", "q8_0"): upload an array lm_head in that type
+        instead of the weights' (e.g. "q8_0" next to f16 weights: the vocab-wide product is most
+        of an f16 step at small windows, and on AMX / VNNI CPUs a q8_0 one costs a third; its
+        logits then carry q8_0's activation rounding, ~1e-2 relative, docs/design.md "Precision").
         `attention="bf16"`: the CPU backend runs attention's two products with bf16 inputs on
         AMX tiles where it can (docs/design.md, "Precision")."""
         cap = check_drafter_args(weights, backend, cap, cache_type, swa, attention)
@@ -66,7 +71,7 @@ class DraftKvCache:
         masks = StepMasks(geo.q_len, groups, cap, geo.kv_total, cap, self.any_full, self.any_swa, swa,
                           cfg.swa_window, split=backend.kind == "rpc")
         try:
-            self.lm_head = self._vocab_matrix(lm_head, "lm_head")
+            self.lm_head = self._vocab_matrix(lm_head, "lm_head", lm_head_dtype)
             self.embed_tokens = self._vocab_matrix(embed_tokens, "embed_tokens")
             self.memory = self._own(CacheMemory(weights, backend, geo, cache_type, masks,
                                                 token_input=self.embed_tokens is not None))
@@ -104,8 +109,8 @@ class DraftKvCache:
         self._owned.append(obj)
         return obj
 
-    def _vocab_matrix(self, matrix: Any, name: str) -> Any:
-        tensor, buf = vocab_matrix(matrix, name, self.weights, self.backend)
+    def _vocab_matrix(self, matrix: Any, name: str, dtype: str | None = None) -> Any:
+        tensor, buf = vocab_matrix(matrix, name, self.weights, self.backend, dtype)
         if buf is not None:
             self._own(tensor.ctx)  # its metadata context too (closed after the buffer): nothing outlives close()
             self._own(buf)

@@ -48,7 +48,11 @@ def confident_prefix(logits: np.ndarray, p_min: float) -> np.ndarray:
 
 
 class Drafter:
-    """A DFlash drafter for a host: features in, block_size-1 draft tokens out."""
+    """A DFlash drafter for a host: features in, block_size-1 draft tokens out.
+
+    `weight_dtype` is the drafter's matrices' type ("auto": by backend and CPU); the lm_head is
+    uploaded in that type too unless `lm_head_dtype` says otherwise (DraftKvCache).
+    """
 
     def __init__(
         self,
@@ -64,6 +68,7 @@ class Drafter:
         swa: str = "seed",
         ring_dtype: str = "f32",
         p_min: float = 0.0,
+        lm_head_dtype: str | None = None,
     ) -> None:
         # greedy drafts stop at the first token the drafter itself gives less than p_min (llama.cpp's
         # --draft-p-min): a short draft is cheaper to verify where the drafter is unsure anyway
@@ -96,7 +101,7 @@ class Drafter:
             self.q_len = self.cfg.block_size
             self.ring = FeatureRing(ring_cap or cap + 2 * self.q_len, self.cfg.fc_in, ring_dtype)
             self.cache = DraftKvCache(self.weights, self.backend, cap, lm_head=head, cache_type=cache_type,
-                                      swa=swa, embed_tokens=embed)
+                                      swa=swa, embed_tokens=embed, lm_head_dtype=lm_head_dtype)
         except BaseException:
             self.close()
             raise

@@ -259,6 +259,41 @@ def test_lm_head_array_and_tensor(small, cpu):
         assert relative_error(c.step(ring, 50, noise), want) < 1e-4
 
 
+@pytest.mark.parametrize("head_dtype,tol", [("q8_0", 3e-2), ("f16", 3e-3), ("f32", 3e-3)])
+def test_lm_head_dtype(cpu, head_dtype, tol):
+    """lm_head_dtype uploads an array lm_head in its own type next to f16 weights: its logits carry
+    that type's rounding (q8_0: int8 activations and weights per 32 values), the rest of the step
+    is the f16 drafter's; q8_0 goes to the repacking buffer (AMX / VNNI) where the CPU has one."""
+    cfg, w = make()
+    ring, feats = feature_ring(cfg, 50)
+    lm = np.random.default_rng(4).standard_normal((64, cfg.hidden)).astype(np.float32)
+    noise = noise_for(cfg)
+    want = R.reference_step(w, feats, 50, 37, noise, lm_head=lm)
+    with w.to_backend(cpu, "f16") as bw:
+        with DraftKvCache(bw, cpu, 37, lm_head=lm, cache_type="f32") as same, \
+                DraftKvCache(bw, cpu, 37, lm_head=lm, cache_type="f32", lm_head_dtype=head_dtype) as own:
+            assert same.lm_head.type == "f16" and own.lm_head.type == head_dtype
+            base, got = same.step(ring, 50, noise), own.step(ring, 50, noise)
+    assert relative_error(base, want) < 3e-3
+    err = relative_error(got, want)
+    assert err < tol, err
+    if head_dtype == "q8_0":
+        assert err > 1e-4  # the q8_0 head really ran (f16 weights alone stay ~1e-3 away)
+        assert relative_error(got, base) > 1e-4
+
+
+def test_lm_head_dtype_refusals(small, cpu):
+    from pyggml_dkv.model.backend_weights import upload_matrix
+
+    cfg, w, bw = small
+    lm = np.zeros((8, cfg.hidden), np.float32)
+    with pytest.raises(ValueError, match="lm_head_dtype"):
+        DraftKvCache(bw, cpu, 10, lm_head=lm, lm_head_dtype="q4_k")
+    tensor, buf = upload_matrix(cpu, lm, "f32", "lm_head")
+    with buf, pytest.raises(ValueError, match="lm_head_dtype='q8_0' applies to a lm_head given as an array"):
+        DraftKvCache(bw, cpu, 10, lm_head=tensor, lm_head_dtype="q8_0")
+
+
 def test_drop_in_functions_match_the_class(small, cpu):
     cfg, w, bw = small
     ring, feats = feature_ring(cfg, 120)

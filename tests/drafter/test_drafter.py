@@ -121,6 +121,28 @@ def test_drafter_bad_input(cpu):
         Drafter(w, embed_tokens=embed[:10], lm_head=head, backend=cpu, cap=40)
     with pytest.raises(ValueError, match="mask_token_id 199 is outside"):
         Drafter(w, embed_tokens=embed[:10], lm_head=head[:10], backend=cpu, cap=40)
+    with pytest.raises(ValueError, match="lm_head_dtype"):
+        Drafter(w, embed_tokens=embed, lm_head=head, backend=cpu, cap=40, lm_head_dtype="q4_0")
+
+
+def test_lm_head_dtype_reaches_the_cache(cpu):
+    """Drafter(lm_head_dtype=...) uploads the head in that type next to the weights' own."""
+    cfg = DraftConfig(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=64, ffn=128, block_size=8,
+                      n_target_layers=2, mask_token_id=VOCAB - 1, vocab=VOCAB)
+    w = DraftWeights.random(cfg, seed=1)
+    rng = np.random.default_rng(2)
+    embed = rng.standard_normal((VOCAB, cfg.hidden)).astype(np.float32)
+    head = (rng.standard_normal((VOCAB, cfg.hidden)) / 4).astype(np.float32)
+    feats = rng.standard_normal((20, cfg.fc_in)).astype(np.float32)
+    ids = {}
+    for head_dtype in (None, "q8_0"):
+        with Drafter(w, embed_tokens=embed, lm_head=head, backend=cpu, cap=40, weight_dtype="f16",
+                     lm_head_dtype=head_dtype) as d:
+            assert d.cache.lm_head.type == (head_dtype or "f16")
+            d.add_features(feats)
+            ids[head_dtype] = d.propose(5)
+    # a random drafter has near-ties, but most of its greedy drafts survive the q8_0 head
+    assert np.mean(ids[None] == ids["q8_0"]) >= 0.5, ids
 
 
 class OracleDrafter:
