@@ -34,6 +34,7 @@ at every window and weight type).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -106,14 +107,17 @@ class Ours:
             n_pos = W + 2 * (reps + warmup + 1) * n_new + 1
             ring = FeatureRing(n_pos, cfg.fc_in)
             ring.append(self.rng.standard_normal((n_pos, cfg.fc_in), dtype=np.float32))
-            with DraftKvCache(self.bw, self.backend, W, lm_head=self.head, embed_tokens=self.emb) as cache, \
-                    DraftKvCache(self.bw, self.backend, W, lm_head=self.g.lm_head if head_q8 else self.head,
-                                 embed_tokens=self.emb, lm_head_dtype="q8_0" if head_q8 else None) as cache_q8:
+            with contextlib.ExitStack() as stack:
+                cache = stack.enter_context(DraftKvCache(self.bw, self.backend, W, lm_head=self.head, embed_tokens=self.emb))
                 # (system, its cache, output); each cache advances by n_new rows at each of its steps
                 systems = [("ours_logits", cache, "logits"), ("ours_ids", cache, "ids")]
-                systems += [("ours_head_q8", cache_q8, "logits")] if head_q8 else []
-                committed = {id(cache): W, id(cache_q8): W}
-                for c in (cache, cache_q8):
+                if head_q8:
+                    cache_q8 = stack.enter_context(DraftKvCache(self.bw, self.backend, W, lm_head=self.g.lm_head,
+                                                                embed_tokens=self.emb, lm_head_dtype="q8_0"))
+                    systems.append(("ours_head_q8", cache_q8, "logits"))
+                caches = list({id(c): c for _, c, _ in systems}.values())
+                committed = {id(c): W for c in caches}
+                for c in caches:
                     c.step_tokens(ring, W, self.tokens, output="logits")  # prefill the window
                 samples: dict[str, list[float]] = {name: [] for name in names}
                 for k in range(warmup + reps):
