@@ -46,9 +46,9 @@ class DraftKvCache:
         takes token ids (`inp_tokens`) and looks their embeddings up inside the graph; with
         `lm_head` the graph also yields `logits` and their per-row argmax `draft_ids`.
         `lm_head_dtype` ("f32", "f16", "bf16", "q8_0"): upload an array lm_head in that type
-        instead of the weights' (e.g. "q8_0" next to f16 weights: the vocab-wide product is most
-        of an f16 step at small windows, and on AMX / VNNI CPUs a q8_0 one costs a third; its
-        logits then carry q8_0's activation rounding, ~1e-2 relative, docs/design.md "Precision").
+        instead of the weights' (e.g. "q8_0" next to f16 weights: over a large vocabulary the
+        product is ~40% of an f16 step at small windows, and on AMX / VNNI CPUs a q8_0 one costs a
+        third; its logits then carry q8_0's int8 rounding, ~1e-2 relative, docs/design.md "Precision").
         `attention="bf16"`: the CPU backend runs attention's two products with bf16 inputs on
         AMX tiles where it can (docs/design.md, "Precision")."""
         cap = check_drafter_args(weights, backend, cap, cache_type, swa, attention)
