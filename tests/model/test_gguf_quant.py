@@ -17,6 +17,7 @@ import pytest
 from pyggml_dkv import DraftKvCache, FeatureRing
 from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
+from pyggml_dkv.model.backend_weights import repack_buffer
 from pyggml_dkv.model.config import DraftConfig
 from pyggml_dkv.model.stored import upload_stored
 from pyggml_dkv.model.weights import DraftWeights
@@ -102,7 +103,8 @@ def test_upload_stored_repacks_only_matmul_matrices(tmp_path, vocab_file, cpu):
         for matmul_only in (False, True):
             head, head_buf = upload_stored(cpu, g.stored["lm_head"], "lm_head", matmul_only=matmul_only)
             try:
-                assert head_buf.name == (bw.repack_kind if matmul_only and bw.repack_kind else "CPU"), head_buf.name
+                want = repack_buffer(cpu, "q8_0", *g.stored["lm_head"].shape) if matmul_only else None
+                assert head_buf.name == (want or "CPU"), head_buf.name
                 with DraftKvCache(bw, cpu, 32, lm_head=head, cache_type="f32") as cache:
                     logits[matmul_only] = cache.step(ring, 40, noise)
             finally:
