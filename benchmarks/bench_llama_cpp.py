@@ -179,7 +179,8 @@ def report(results: dict, args: argparse.Namespace) -> None:
                 rq = res["ours_head_q8"][W]["median_ms"] / best
                 ag = results["head_q8_vs_file_head"][dtype][W]
                 ratios["ours_head_q8_over_best_llama"] = rq
-                extra = (f"   head q8_0 {res['ours_head_q8'][W]['median_ms']:6.2f} ms, {rq:4.2f} {'ok' if rq <= GOAL else 'MISS'}"
+                flag_q8 = "ok" if rq <= GOAL else "MISS"
+                extra = (f"   head q8_0 {res['ours_head_q8'][W]['median_ms']:6.2f} ms, {rq:4.2f} {flag_q8}"
                          f" (logits {ag['rel_err']:.1e}, ids {100 * ag['draft_ids_equal']:.0f}% equal)")
             res.setdefault("ratios", {})[W] = ratios
             flag = "ok" if r <= GOAL else "MISS"

@@ -16,9 +16,10 @@ from tests.child import run_in_child
 def test_waiting_thread_sleeps_in_graph_barriers():
     """With vendor/patches/0005 a thread waiting at a node's barrier spins a few pauses and then
     sleeps (256-4096 pauses, adapted by 0014: back to 256 after every wait that ended asleep, so a
-    thread whose waits are long, like this graph's, spins 256), even under OMP_WAIT_POLICY=ACTIVE (which makes `omp barrier` spin without end: on a
-    shared machine that burns the time slices a descheduled partner needs, see
-    benchmarks/README.md). A graph of single-threaded nodes then costs one core, not two."""
+    thread whose waits are long, like this graph's, spins 256), even under OMP_WAIT_POLICY=ACTIVE
+    (which makes `omp barrier` spin without end: on a shared machine that burns the time slices a
+    descheduled partner needs, see benchmarks/README.md). A graph of single-threaded nodes then
+    costs one core, not two."""
     if "0005-cpu-barrier-spin-then-futex.patch" not in built_with_patches():
         pytest.skip("ggml built without vendor/patches/0005 (its barrier is `omp barrier`)")
     env = dict(os.environ, OMP_WAIT_POLICY="ACTIVE", OPENBLAS_NUM_THREADS="1")
