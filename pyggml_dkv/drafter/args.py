@@ -53,6 +53,8 @@ def vocab_matrix(matrix: Any, name: str, weights: BackendWeights, backend: Backe
     """
     if dtype is not None:
         check_choice(f"{name}_dtype", dtype, LM_HEAD_DTYPES)
+        if matrix is None:
+            raise ValueError(f"{name}_dtype={dtype!r} was given without a {name}")
         if isinstance(matrix, Tensor):
             raise ValueError(f"{name}_dtype={dtype!r} applies to a {name} given as an array; this {name} is an "
                              f"uploaded {matrix.type} Tensor")

@@ -178,13 +178,21 @@ def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,
         dtype = NATIVE_FALLBACK
     if dtype == "q8_0" and arr.shape[1] % 32:
         dtype = "f16"
+    t, buf = matrix_in_own_buffer(backend, dtype, arr.shape, name, matmul_only)
+    t.set(arr)
+    return t, buf
+
+
+def matrix_in_own_buffer(backend: Backend, dtype: str, shape: tuple[int, int], name: str,
+                         matmul_only: bool) -> tuple[Tensor, Buffer]:
+    """An empty (out, in) `dtype` matrix in a weights buffer of its own: a repacking one (AMX,
+    VNNI; see repack_buffer) when it is `matmul_only` and fits, an ordinary one otherwise."""
     ctx = Context(n_tensors=1)
-    t = ctx.new_tensor(dtype, arr.shape[1], arr.shape[0], name=name)
-    kind = repack_buffer(backend, dtype, *arr.shape) if matmul_only else None
+    t = ctx.new_tensor(dtype, shape[1], shape[0], name=name[-63:])
+    kind = repack_buffer(backend, dtype, *shape) if matmul_only else None
     if kind is not None:
         buf = Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], backend)
     else:
         buf = Buffer.alloc_ctx_tensors(ctx, backend)
     buf.set_usage_weights()
-    t.set(arr)
     return t, buf

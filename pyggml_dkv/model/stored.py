@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ggml import Backend, Buffer, Context, Tensor, cpu_extra_buffer_types, lib
+from ..ggml import Backend, Buffer, Tensor, lib
 from ..ggml.types import ggml_type
-from .backend_weights import repack_buffer
+from .backend_weights import matrix_in_own_buffer
 
 # ggml types a StoredMatrix may hold: the float types and the quantized ones we run and test
 STORED_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
@@ -56,13 +56,6 @@ def upload_stored(backend: Backend, matrix: StoredMatrix, name: str, matmul_only
     """
     if not isinstance(matmul_only, bool):
         raise TypeError(f"matmul_only must be a bool, got {type(matmul_only).__name__}")
-    ctx = Context(n_tensors=1)
-    t = ctx.new_tensor(matrix.type_name, matrix.shape[1], matrix.shape[0], name=name[-63:])
-    kind = repack_buffer(backend, matrix.type_name, *matrix.shape) if matmul_only else None
-    if kind is not None:
-        buf = Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], backend)
-    else:
-        buf = Buffer.alloc_ctx_tensors(ctx, backend)
-    buf.set_usage_weights()
+    t, buf = matrix_in_own_buffer(backend, matrix.type_name, matrix.shape, name, matmul_only)
     t.set_bytes(np.ascontiguousarray(matrix.raw).reshape(-1))
     return t, buf

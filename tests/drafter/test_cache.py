@@ -289,6 +289,8 @@ def test_lm_head_dtype_refusals(small, cpu):
     lm = np.zeros((8, cfg.hidden), np.float32)
     with pytest.raises(ValueError, match="lm_head_dtype"):
         DraftKvCache(bw, cpu, 10, lm_head=lm, lm_head_dtype="q4_k")
+    with pytest.raises(ValueError, match="lm_head_dtype='q8_0' was given without a lm_head"):
+        DraftKvCache(bw, cpu, 10, lm_head_dtype="q8_0")
     tensor, buf = upload_matrix(cpu, lm, "f32", "lm_head")
     with buf, pytest.raises(ValueError, match="lm_head_dtype='q8_0' applies to a lm_head given as an array"):
         DraftKvCache(bw, cpu, 10, lm_head=tensor, lm_head_dtype="q8_0")
