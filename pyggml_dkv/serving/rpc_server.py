@@ -206,9 +206,18 @@ class RpcServerProcess:
                     raise RpcServerError(f"the RPC server did not answer on {endpoint} within {timeout_s:g} s:\n{self.output}") from None
                 time.sleep(0.05)
 
-    def suspend(self) -> None:
-        """SIGSTOP: the server stalls (for tests of a frozen server)."""
+    def suspend(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP: the server stalls (for tests of a frozen server). Returns once Linux reports the
+        process stopped: the signal is delivered asynchronously, and a request sent in between
+        could still be answered (seen once on a loaded machine)."""
         self.proc.send_signal(signal.SIGSTOP)
+        stat = f"/proc/{self.proc.pid}/stat"
+        deadline = time.monotonic() + timeout_s
+        while os.path.exists(stat) and time.monotonic() < deadline:
+            with open(stat) as f:  # "pid (comm) state ...": the state follows the last ")"
+                if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                    return
+            time.sleep(0.001)
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
