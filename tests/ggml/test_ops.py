@@ -199,6 +199,43 @@ def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
     np.testing.assert_allclose(got[0, 5], v[266], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+@pytest.mark.parametrize("prec_bf16", [False, True])
+@pytest.mark.parametrize("n_q", [64, 70])
+def test_flash_attn_ext_tiled_kernel_mask_per_head(rng, n_threads, prec_bf16, n_q):
+    """A mask with a plane per query-head group (mask ne2 = 2, head h reads plane h % 2): the tiled
+    kernel scans each (plane, whole query tile, KV tile) once for every thread (vendor/patches/0017)
+    and reads those scans for whole tiles (64 rows: every chunk is a head's tile), and scans itself
+    where a chunk cuts a tile short (70 rows with 2-3 threads: chunks of 64 rows cross the heads).
+    The planes differ where it matters: a tile one plane masks whole and the other sees, a key one
+    plane hides, a row seeing a single key in one plane only."""
+    if prec_bf16 and not pyggml_dkv.bf16_attention_supported():
+        pytest.skip("ggml built without vendor/patches/0009")
+    d, n_head, n_head_kv, n_kv = 64, 4, 2, 267
+    q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float16).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float16).astype(np.float32)
+    visible = rng.random((2, n_q, n_kv)) < 0.7
+    visible[:, :, 0] = True
+    visible[0, :, 64:128] = False  # plane 0: a whole tile skipped; plane 1 sees it
+    visible[1, :, 192:256] = True  # plane 1: a tile every row sees (all-zero mask)
+    visible[1, :, 130] = False
+    visible[0, 5] = False
+    visible[0, 5, 266] = True  # plane 0, row 5: the partial tile's last key only
+    mask = np.where(visible, 0, -np.inf).astype(np.float16)[None]  # ggml [n_kv, n_q, 2, 1]
+    specs = [("f32", q.transpose(1, 0, 2)[None]), ("f16", k.transpose(1, 0, 2)[None]),
+             ("f16", v.transpose(1, 0, 2)[None]), ("f16", mask)]
+    with Backend("cpu", n_threads=n_threads) as backend:
+        got = compute(backend, specs, lambda g, qt, kt, vt, m: g.flash_attn_ext(
+            qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=not prec_bf16, prec_bf16=prec_bf16))
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    want = np.stack([attention(q64[:, h:h + 1], k64[:, h // 2:h // 2 + 1], v64[:, h // 2:h // 2 + 1], visible[h % 2])[:, 0]
+                     for h in range(n_head)], axis=1)
+    assert got.shape == (1, n_q, n_head, d)
+    assert relative_error(got[0], want) < (1.5e-2 if prec_bf16 else 2e-6), relative_error(got[0], want)
+    np.testing.assert_allclose(got[0, 5, 0], v[266, 0], rtol=1e-2, atol=1e-2)
+
+
 needs_bf16_attention = pytest.mark.skipif(not pyggml_dkv.bf16_attention_supported(),
                                           reason="ggml built without vendor/patches/0009")
 
