@@ -347,6 +347,50 @@ def test_flash_attn_ext_tiled_kernel_bias_and_softcap(rng, n_threads, d, n_q, so
     assert relative_error(got[0], want) < 1e-5, relative_error(got[0], want)
 
 
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+@pytest.mark.parametrize("shape, w_len", [((1024, 16), 1024), ((64, 16, 16), 64), ((70, 5), 70), ((24, 3, 2), 24)])
+def test_rms_norm_times_weights_fused_bit_identical(rng, n_threads, shape, w_len):
+    """RMS_NORM followed by the MUL of its result by one row of weights (every norm of the drafter)
+    runs as one fused op (vendor/patches/0018) when the norm has no other use; its results must
+    be those of the two ops bit for bit: the same graph with the norm's result also an output (so
+    not fused) gives the reference, and both are the float64 math to f32 rounding. Rows of 1024,
+    per-head 64, a 70-value row (a vector tail) and a 24-value one (mostly tail)."""
+    x = rng.standard_normal(tuple(reversed(shape))).astype(np.float32) * 3
+    w = rng.standard_normal(w_len).astype(np.float32)
+    eps = 1e-6
+
+    def build(keep_norm: bool):
+        def graph(g, xt, wt):
+            normed = g.rms_norm(xt, eps)
+            out = g.mul(normed, wt)
+            return (out, normed) if keep_norm else out
+        return graph
+
+    with Backend("cpu", n_threads=n_threads) as backend:
+        fused = compute(backend, [("f32", x), ("f32", w)], build(False))
+        unfused, normed = compute(backend, [("f32", x), ("f32", w)], build(True))
+    np.testing.assert_array_equal(fused.view(np.uint32), unfused.view(np.uint32))
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * w
+    assert relative_error(fused, want) < 1e-6
+    assert relative_error(normed, want / w) < 1e-6
+
+
+def test_rms_norm_times_weights_not_fused_when_unlike(rng):
+    """Pairs the fused op must leave to the two ops: weights of two rows (broadcast per row), and
+    the norm's result used twice; both still equal the math."""
+    x = rng.standard_normal((4, 32)).astype(np.float32)
+    w2 = rng.standard_normal((2, 32)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    n64 = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6)
+    with Backend("cpu", n_threads=2) as backend:
+        got = compute(backend, [("f32", x), ("f32", w2)], lambda g, xt, wt: g.mul(g.rms_norm(xt, 1e-6), wt))
+        twice = compute(backend, [("f32", x), ("f32", w2[:1])],
+                        lambda g, xt, wt: (lambda n: g.add(g.mul(n, wt), n))(g.rms_norm(xt, 1e-6)))
+    assert relative_error(got, n64 * np.tile(w2, (2, 1))) < 1e-6
+    assert relative_error(twice, n64 * w2[0] + n64) < 1e-6
+
+
 def test_soft_max_ext_with_mask(be, rng):
     s = rng.standard_normal((3, 6)).astype(np.float32)
     mask = np.where(np.tril(np.ones((3, 6), bool), 3), 0, -np.inf).astype(np.float16)
