@@ -42,7 +42,7 @@ int main(int argc, char ** argv) {
     const size_t n_in = T*D + D + MF*D + MQ*D + NH*NQ*HD + 2*NKV_H*NKV*HD + NKV_H*NQ*NKV;
     float * in = malloc(n_in * sizeof(float));
     FILE * f = fopen(argv[1], "rb");
-    if (!f || fread(in, sizeof(float), n_in, f) != n_in) {
+    if (!in || !f || fread(in, sizeof(float), n_in, f) != n_in) {
         fprintf(stderr, "cannot read %zu floats from %s\n", n_in, argv[1]);
         return 2;
     }
@@ -90,8 +90,15 @@ int main(int argc, char ** argv) {
         return 1;
     }
     FILE * o = fopen(argv[2], "wb");
+    if (!o) {
+        fprintf(stderr, "cannot write %s\n", argv[2]);
+        return 2;
+    }
     for (size_t i = 0; i < sizeof(outs) / sizeof(outs[0]); i++) {
-        fwrite(outs[i]->data, 1, ggml_nbytes(outs[i]), o);
+        if (fwrite(outs[i]->data, 1, ggml_nbytes(outs[i]), o) != ggml_nbytes(outs[i])) {
+            fprintf(stderr, "short write to %s\n", argv[2]);
+            return 2;
+        }
     }
     fclose(o);
     ggml_free(ctx);

@@ -7,6 +7,7 @@ the first one takes ~20-60 s."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shutil
@@ -50,7 +51,9 @@ def avx2_check() -> Path:
     if not (shutil.which("cmake") and shutil.which("cc") and _cpu_has_avx2()):
         pytest.skip("needs cmake, a C compiler and a CPU with AVX2")
     stamp_file = SRC / ".pyggml_dkv_source"
-    stamp = (stamp_file.read_text().strip() if stamp_file.exists() else "unknown") + "|" + " ".join(CMAKE_ARGS)
+    program = Path(__file__).with_name("avx2_check.c")
+    stamp = "|".join([stamp_file.read_text().strip() if stamp_file.exists() else "unknown", " ".join(CMAKE_ARGS),
+                      hashlib.sha256(program.read_bytes()).hexdigest()])
     key_file = BUILD / "key"
     exe = BUILD / "avx2_check"
     if not (key_file.exists() and key_file.read_text() == stamp and exe.exists()):
@@ -62,7 +65,7 @@ def avx2_check() -> Path:
         _run(["cmake", "--build", str(BUILD / "cmake"), "-j", jobs], BUILD / "build.log")
         libs = {p.name: p for p in (BUILD / "cmake").rglob("libggml*.a")}
         order = [libs[n] for n in ("libggml.a", "libggml-cpu.a", "libggml-base.a")]
-        _run(["cc", "-O2", "-I", str(SRC / "include"), str(Path(__file__).with_name("avx2_check.c")),
+        _run(["cc", "-O2", "-I", str(SRC / "include"), str(program),
               *map(str, order), "-fopenmp", "-lstdc++", "-lm", "-lpthread", "-o", str(exe)], BUILD / "link.log")
         key_file.write_text(stamp)
     return exe
