@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pyggml_dkv.common.numeric import relative_error
+from pyggml_dkv.ggml import dequantize, quantize
 from pyggml_dkv.reference import attention
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,16 +72,6 @@ def avx2_check() -> Path:
     return exe
 
 
-def _q8_0_values(w: np.ndarray) -> np.ndarray:
-    """q8_0 round trip (32-value blocks, f16 scale amax/127, round half away from zero as ggml's
-    reference quantizer), to compare the product against the weights as stored."""
-    b = w.reshape(-1, 32).astype(np.float32)
-    d = (np.abs(b).max(axis=1, keepdims=True) / 127).astype(np.float16).astype(np.float32)
-    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
-    q = np.clip(np.trunc(b * inv + np.copysign(0.5, b * inv)), -127, 127)
-    return (q * d).reshape(w.shape)
-
-
 def test_avx2_only_build_runs_the_drafter_ops(avx2_check: Path, tmp_path: Path) -> None:
     """RMSNorm x weights fused and unfused (bit for bit equal), an f16 and a q8_0 product over 16
     columns, and flash attention with a mask plane per head group over 267 f16 keys (a masked
@@ -116,7 +107,7 @@ def test_avx2_only_build_runs_the_drafter_ops(avx2_check: Path, tmp_path: Path) 
     # ggml's AVX2 f16 product rounds the columns to f16; the q8_0 one quantizes them to q8_0
     want_f = x64 @ wf.astype(np.float16).astype(np.float64).T
     assert relative_error(yf.reshape(T, MF), want_f) < 2e-3
-    want_q = x64 @ _q8_0_values(wq).astype(np.float64).T
+    want_q = x64 @ dequantize("q8_0", quantize("q8_0", wq), wq.size).reshape(wq.shape).astype(np.float64).T  # as stored
     assert relative_error(yq.reshape(T, MQ), want_q) < 2e-2
 
     att = att.reshape(NQ, NH, HD)
