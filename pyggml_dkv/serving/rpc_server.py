@@ -218,6 +218,7 @@ class RpcServerProcess:
                 if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
                     return
             time.sleep(0.001)
+        raise RpcServerError(f"the RPC server (pid {self.proc.pid}) did not stop within {timeout_s:g} s of SIGSTOP")
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)

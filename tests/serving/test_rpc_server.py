@@ -34,6 +34,20 @@ def test_sigterm_exits_cleanly_and_logs_it(server):
     assert "Traceback" not in server.output
 
 
+def test_suspend_returns_stopped_or_raises(free_port):
+    """suspend() returns only once the server is stopped (SIGSTOP arrives asynchronously), and a
+    server that cannot stop (here: already gone) is an error, not a silent return."""
+    with RpcServerProcess(free_port(), threads=1) as srv:
+        srv.suspend()
+        state = Path(f"/proc/{srv.proc.pid}/stat").read_text().rpartition(")")[2].split()[0]
+        assert state in ("T", "t")
+        srv.resume()
+        srv.proc.kill()
+        srv.proc.wait(10)
+        with pytest.raises(rpc_server.RpcServerError, match="did not stop"):
+            srv.suspend(timeout_s=0.5)
+
+
 def test_port_in_use_is_a_clean_failure(server):
     out = subprocess.run([sys.executable, "-m", "pyggml_dkv.serving.rpc_server", "--port", str(server.port)],
                          capture_output=True, text=True, timeout=60)
