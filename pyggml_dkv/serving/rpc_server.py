@@ -211,12 +211,17 @@ class RpcServerProcess:
         process stopped: the signal is delivered asynchronously, and a request sent in between
         could still be answered (seen once on a loaded machine)."""
         self.proc.send_signal(signal.SIGSTOP)
-        stat = f"/proc/{self.proc.pid}/stat"
         deadline = time.monotonic() + timeout_s
-        while os.path.exists(stat) and time.monotonic() < deadline:
-            with open(stat) as f:  # "pid (comm) state ...": the state follows the last ")"
-                if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
-                    return
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RpcServerError(f"the RPC server (pid {self.proc.pid}) has exited "
+                                     f"(code {self.proc.returncode}); it cannot be suspended")
+            try:
+                with open(f"/proc/{self.proc.pid}/stat") as f:  # "pid (comm) state ...": the state follows the last ")"
+                    if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                        return
+            except FileNotFoundError:  # exited just now: poll() above says so next time round
+                pass
             time.sleep(0.001)
         raise RpcServerError(f"the RPC server (pid {self.proc.pid}) did not stop within {timeout_s:g} s of SIGSTOP")
 

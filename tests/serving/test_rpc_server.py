@@ -36,15 +36,18 @@ def test_sigterm_exits_cleanly_and_logs_it(server):
 
 def test_suspend_returns_stopped_or_raises(free_port):
     """suspend() returns only once the server is stopped (SIGSTOP arrives asynchronously), and a
-    server that cannot stop (here: already gone) is an error, not a silent return."""
+    server that cannot be stopped (here: already gone) is an error naming why, not a silent return."""
     with RpcServerProcess(free_port(), threads=1) as srv:
         srv.suspend()
         state = Path(f"/proc/{srv.proc.pid}/stat").read_text().rpartition(")")[2].split()[0]
         assert state in ("T", "t")
         srv.resume()
+        with pytest.raises(rpc_server.RpcServerError, match="did not stop within 0 s of SIGSTOP"):
+            srv.suspend(timeout_s=0)  # no time to see it stopped
+        srv.resume()
         srv.proc.kill()
         srv.proc.wait(10)
-        with pytest.raises(rpc_server.RpcServerError, match="did not stop"):
+        with pytest.raises(rpc_server.RpcServerError, match=r"has exited \(code -9\); it cannot be suspended"):
             srv.suspend(timeout_s=0.5)
 
 
