@@ -206,8 +206,9 @@ def test_finalizers_safe_at_interpreter_exit(scenario):
 
 # ============================================================================ threads
 
-def _big_matmul(backend: Backend, n: int = 1024, k: int = 2048):
-    """A graph whose compute takes long enough to watch: (n x k) @ (k x n) in f32."""
+def _big_matmul(backend: Backend, n: int = 1024, k: int = 8192):
+    """A graph whose compute takes long enough to watch: (n x k) @ (k x n) in f32, ~0.1 s on one
+    AVX-512 core (k = 2048 once took 0.029-0.030 s on a Zen 5, under the tests' 0.03 s floor)."""
     ctx = Context(n_tensors=2)
     a = ctx.new_tensor("f32", k, n, name="a")
     b = ctx.new_tensor("f32", k, n, name="b")
