@@ -24,6 +24,8 @@ LIBS = Path(os.environ.get("PYGGML_DKV_GGML_PREFIX", HERE.parent / "_libs")).res
 LIB_DIR = LIBS / "lib"
 INCLUDE_DIR = LIBS / "include"
 EXPORTS_MAP = HERE / "exports.map"
+# C compiled into the extension next to ggml: custom ops (ggml_custom_4d) the Python layer builds
+OP_SOURCES = [HERE / "screened_argmax.c"]
 # static libraries: dependents before what they use (the group below tolerates any order anyway)
 CORE_LIBRARIES = ["ggml", "ggml-cpu", "ggml-base"]
 
@@ -73,7 +75,7 @@ def make_ffibuilder() -> FFI:
         cdefs += (HERE / f"cdefs_{name}.h").read_text()
         includes.append(f"ggml-{name}.h")
         libraries.insert(0, f"ggml-{name}")
-    source = "\n".join(f'#include "{h}"' for h in includes) + "\n" + stamp_source()
+    source = "\n".join(f'#include "{h}"' for h in [*includes, "custom_ops.h"]) + "\n" + stamp_source()
     archives = [str(LIB_DIR / f"lib{name}.a") for name in libraries]
 
     ffibuilder = FFI()
@@ -81,9 +83,10 @@ def make_ffibuilder() -> FFI:
     ffibuilder.set_source(
         "pyggml_dkv._ggml_cffi",
         source,
-        include_dirs=[str(INCLUDE_DIR)],
+        sources=[str(p) for p in OP_SOURCES],
+        include_dirs=[str(INCLUDE_DIR), str(HERE)],  # HERE: custom_ops.h
         # relink whenever ggml was rebuilt, even when the generated C source is unchanged
-        depends=[*archives, str(LIBS / "link-args"), str(EXPORTS_MAP)],
+        depends=[*archives, str(LIBS / "link-args"), str(EXPORTS_MAP), *map(str, OP_SOURCES), str(HERE / "custom_ops.h")],
         extra_link_args=[
             "-Wl,--start-group", *archives, "-Wl,--end-group",
             # ggml's symbols stay inside the extension: hidden, and only PyInit_* exported

@@ -121,6 +121,11 @@ struct ggml_tensor * ggml_softplus(struct ggml_context * ctx, struct ggml_tensor
 struct ggml_tensor * ggml_tanh(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_scale(struct ggml_context * ctx, struct ggml_tensor * a, float s);
 struct ggml_tensor * ggml_argmax(struct ggml_context * ctx, struct ggml_tensor * a);
+#define GGML_N_TASKS_MAX ...
+typedef void (*ggml_custom_op_t)(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+struct ggml_tensor * ggml_custom_4d(struct ggml_context * ctx, enum ggml_type type, int64_t ne0, int64_t ne1,
+                                    int64_t ne2, int64_t ne3, struct ggml_tensor ** args, int n_args,
+                                    ggml_custom_op_t fun, int n_tasks, void * userdata);
 struct ggml_tensor * ggml_soft_max_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * mask, float scale, float max_bias);
 struct ggml_tensor * ggml_rope_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, struct ggml_tensor * c,
         int n_dims, int mode, int n_ctx_orig, float freq_base, float freq_scale, float ext_factor,
@@ -262,6 +267,10 @@ int ggml_cpu_has_amx_int8(void);
 const char *pyggml_dkv_built_ggml_version(void);
 const char *pyggml_dkv_built_variant(void);
 const char *pyggml_dkv_built_patches(void);
+
+/* ---- custom ops compiled into the extension (_cffi/*.c) ---- */
+/* screened_argmax.c: a ggml_custom_op_t for ggml_custom_4d (pyggml_dkv/ggml/ops_screen.py) */
+void pyggml_dkv_screened_argmax(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
 /* Python-side callbacks */
 extern "Python" void _pyggml_log_callback(enum ggml_log_level level, const char * text, void * user_data);
