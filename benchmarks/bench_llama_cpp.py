@@ -14,6 +14,9 @@ vocab) included and copied to the host.
   ours_head_q8 (a GGUF whose output is not q8_0) the same with the lm_head uploaded as q8_0
                (lm_head_dtype="q8_0"; on AMX / VNNI its product takes a third of the f16 one),
                with how far its logits and draft ids are from the file's head
+  ours_ids_screened (a GGUF whose output is not q8_0) output="ids" from the file's head screened
+               by a q8_0 copy (lm_head_screen="q8_0": only the tokens the screen cannot rule out
+               are multiplied exactly), no logits; its ids must equal ours_ids' (checked, reported)
   llama_fa / llama_nofa  llama.cpp's drafter context (libllama C API in a child process, see
                pyggml_dkv/hosts/llama_cpp/native_dflash_child.py; OpenMP's default wait policy, its
                fastest, see --llama-omp-wait-policy) with flash attention on / off: inject the
@@ -100,7 +103,7 @@ class Ours:
         the q8_0 head's logits and draft ids are from the file's head, per window."""
         cfg = self.g.cfg
         head_q8 = self.g.stored["lm_head"].type_name != "q8_0"
-        names = ["ours_logits", "ours_ids"] + (["ours_head_q8"] if head_q8 else [])
+        names = ["ours_logits", "ours_ids"] + (["ours_head_q8", "ours_ids_screened"] if head_q8 else [])
         out: dict[str, dict[int, list[float]]] = {name: {} for name in names}
         agreement: dict[int, dict[str, float]] = {}
         for W in windows:
@@ -115,10 +118,13 @@ class Ours:
                     cache_q8 = stack.enter_context(DraftKvCache(self.bw, self.backend, W, lm_head=self.g.lm_head,
                                                                 embed_tokens=self.emb, lm_head_dtype="q8_0"))
                     systems.append(("ours_head_q8", cache_q8, "logits"))
+                    cache_sc = stack.enter_context(DraftKvCache(self.bw, self.backend, W, lm_head=self.head,
+                                                                embed_tokens=self.emb, lm_head_screen="q8_0"))
+                    systems.append(("ours_ids_screened", cache_sc, "ids"))
                 caches = list({id(c): c for _, c, _ in systems}.values())
                 committed = {id(c): W for c in caches}
                 for c in caches:
-                    c.step_tokens(ring, W, self.tokens, output="logits")  # prefill the window
+                    c.step_tokens(ring, W, self.tokens, output="logits" if c.logits is not None else "ids")  # prefill
                 samples: dict[str, list[float]] = {name: [] for name in names}
                 for k in range(warmup + reps):
                     for name, c, output in systems:
@@ -131,8 +137,10 @@ class Ours:
                     last = max(committed.values()) + n_new
                     a = cache.step_tokens(ring, last, self.tokens, output="logits")
                     b = cache_q8.step_tokens(ring, last, self.tokens, output="logits")
+                    ids_sc = cache_sc.step_tokens(ring, last, self.tokens, output="ids")
                     agreement[W] = {"rel_err": float(np.abs(a - b).max() / np.abs(a).max()),
-                                    "draft_ids_equal": float(np.mean(a[1:].argmax(1) == b[1:].argmax(1)))}
+                                    "draft_ids_equal": float(np.mean(a[1:].argmax(1) == b[1:].argmax(1))),
+                                    "screened_ids_equal": float(np.mean(a[1:].argmax(1) == ids_sc[1:]))}
             for name, sm in samples.items():
                 out[name][W] = sm
         return out, agreement
@@ -182,13 +190,19 @@ def report(results: dict, args: argparse.Namespace) -> None:
                 flag_q8 = "ok" if rq <= GOAL else "MISS"
                 extra = (f"   head q8_0 {res['ours_head_q8'][W]['median_ms']:6.2f} ms, {rq:4.2f} {flag_q8}"
                          f" (logits {ag['rel_err']:.1e}, ids {100 * ag['draft_ids_equal']:.0f}% equal)")
+                rs = res["ours_ids_screened"][W]["median_ms"] / best
+                ratios["ours_ids_screened_over_best_llama"] = rs
+                extra += (f"   ids screened {res['ours_ids_screened'][W]['median_ms']:6.2f} ms, {rs:4.2f} "
+                          f"{'ok' if rs <= GOAL else 'MISS'} ({100 * ag['screened_ids_equal']:.0f}% equal)")
             res.setdefault("ratios", {})[W] = ratios
             flag = "ok" if r <= GOAL else "MISS"
             print(f"{W:>6} " + " ".join(cells) + f" {r:>5.2f} ({r10:4.2f}) {flag:>4} {r_ids:>9.2f}" + extra)
     print(f"\ngoal: ours_logits / min(llama_fa, llama_nofa) <= {GOAL} at every window and weight type")
     if any("ours_head_q8" in res for res in results["runs"].values()):
         print("head q8_0: ours with the same file's weights but the lm_head uploaded as q8_0 (lm_head_dtype='q8_0');\n"
-              "its logits vs the file's head: max|a-b|/max|a|, and how many of the 15 draft ids are equal")
+              "its logits vs the file's head: max|a-b|/max|a|, and how many of the 15 draft ids are equal;\n"
+              "ids screened: the file's head through a q8_0 screen (lm_head_screen='q8_0'), draft ids only (exact: "
+              "equal to the file's head's)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

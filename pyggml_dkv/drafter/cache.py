@@ -27,6 +27,7 @@ from . import layers as L
 from .args import check_drafter_args, check_noise_embed, check_token_ids, vocab_matrix
 from .bulk_append import bulk_append
 from .features import FeatureRing, RingWatch, check_window
+from .head_screen import LM_HEAD_SCREENS, HeadScreen
 from .masks import StepMasks
 from .slots import SlotBook
 from .step_graph import CacheMemory, Geometry, build_step_graph
@@ -40,7 +41,7 @@ class DraftKvCache:
 
     def __init__(self, weights: BackendWeights, backend: Backend, cap: int, lm_head: Any = None,
                  cache_type: str = "f16", swa: str = "seed", embed_tokens: Any = None, attention: str = "f32",
-                 lm_head_dtype: str | None = None) -> None:
+                 lm_head_dtype: str | None = None, lm_head_screen: str | None = None) -> None:
         """`lm_head` / `embed_tokens`: the target's (vocab, hidden) head and token embedding, as
         arrays (uploaded in the weights' dtype) or uploaded Tensors. With `embed_tokens` the step
         takes token ids (`inp_tokens`) and looks their embeddings up inside the graph; with
@@ -49,6 +50,10 @@ class DraftKvCache:
         instead of the weights' (e.g. "q8_0" next to f16 weights: over a large vocabulary the
         product is ~40% of an f16 step at small windows, and on AMX / VNNI CPUs a q8_0 one costs a
         third; its logits then carry q8_0's int8 rounding, ~1e-2 relative, docs/design.md "Precision").
+        `lm_head_screen="q8_0"` (CPU backend, f32 / f16 / bf16 lm_head): the step multiplies a q8_0
+        copy of the head and only the tokens it cannot rule out exactly, so `draft_ids` are still
+        the exact head's argmax, at about the cost of a q8_0 head; such a cache yields no logits
+        (drafter.head_screen; docs/design.md, "Exact draft ids from a screened head").
         `attention="bf16"`: the CPU backend runs attention's two products with bf16 inputs on
         AMX tiles where it can (docs/design.md, "Precision")."""
         cap = check_drafter_args(weights, backend, cap, cache_type, swa, attention)
@@ -72,6 +77,12 @@ class DraftKvCache:
                           cfg.swa_window, split=backend.kind == "rpc")
         try:
             self.lm_head = self._vocab_matrix(lm_head, "lm_head", lm_head_dtype)
+            self.head_screen = None
+            if lm_head_screen is not None:
+                check_choice("lm_head_screen", lm_head_screen, LM_HEAD_SCREENS)
+                if self.lm_head is None:
+                    raise ValueError(f"lm_head_screen={lm_head_screen!r} was given without an lm_head")
+                self.head_screen = self._own(HeadScreen(backend, self.lm_head, cfg))
             self.embed_tokens = self._vocab_matrix(embed_tokens, "embed_tokens")
             self.memory = self._own(CacheMemory(weights, backend, geo, cache_type, masks,
                                                 token_input=self.embed_tokens is not None))
@@ -79,7 +90,8 @@ class DraftKvCache:
             # computes the smallest that takes its new rows, the last (a_step rows) is `gf`
             self.graphs = {rows: self._own(build_step_graph(weights, backend, self.memory, self.layer_swa, self.fold_gqa,
                                                              attention == "bf16" and backend.is_cpu, self.lm_head,
-                                                             self.embed_tokens, self._fold_in_computed, rows))
+                                                             self.embed_tokens, self._fold_in_computed, rows,
+                                                             self.head_screen))
                            for rows in geo.fold_buckets}
         except BaseException:
             self.close()
@@ -259,11 +271,18 @@ class DraftKvCache:
             if self.inp_tokens is None:
                 raise GGMLError("this cache takes embeddings (built without embed_tokens): use step()")
             check_choice("output", output, ("ids", "logits", "hidden"))
-            if output != "hidden" and self.logits is None:
+            if output != "hidden" and self.draft_ids is None:
                 raise GGMLError(f"output={output!r} needs the cache to be built with an lm_head")
+            if output == "logits" and self.logits is None:
+                raise GGMLError("this cache screens its lm_head (lm_head_screen): its steps yield exact draft ids but "
+                                "no logits; build it without lm_head_screen to read logits")
             ids = check_token_ids(tokens, self.q_len, self.embed_tokens.ne[1])
             self.begin_step(ring, committed)
             self.inp_tokens.set(ids)
             self.compute()
-            out = {"ids": self.draft_ids, "logits": self.logits, "hidden": self.hidden_states}[output]
-            return out.numpy()
+            out = {"ids": self.draft_ids, "logits": self.logits, "hidden": self.hidden_states}[output].numpy()
+            if output == "ids" and self.head_screen is not None and (out < 0).any():
+                # the screened argmax marks a row whose hidden state is not finite (no id is its argmax)
+                raise FloatingPointError(f"the drafter's hidden states at noise rows {np.nonzero(out < 0)[0].tolist()} "
+                                         "are not finite: no draft ids")
+            return out

@@ -52,6 +52,9 @@ class Drafter:
 
     `weight_dtype` is the drafter's matrices' type ("auto": by backend and CPU); the lm_head is
     uploaded in that type too unless `lm_head_dtype` says otherwise (DraftKvCache).
+    `lm_head_screen="q8_0"`: greedy drafts (temperature 0, p_min 0) come from the screened argmax,
+    the exact head's ids at about a q8_0 head's cost; such a drafter cannot sample or cut drafts
+    by p_min, which need logits (DraftKvCache, drafter.head_screen).
     """
 
     def __init__(
@@ -69,12 +72,15 @@ class Drafter:
         ring_dtype: str = "f32",
         p_min: float = 0.0,
         lm_head_dtype: str | None = None,
+        lm_head_screen: str | None = None,
     ) -> None:
         # greedy drafts stop at the first token the drafter itself gives less than p_min (llama.cpp's
         # --draft-p-min): a short draft is cheaper to verify where the drafter is unsure anyway
         if not is_real(p_min) or not 0.0 <= p_min < 1.0:
             raise ValueError(f"p_min must be a number in [0, 1), got {p_min!r}")
         self.p_min = float(p_min)
+        if lm_head_screen is not None and self.p_min > 0:
+            raise ValueError("p_min needs the draft's logits, which a drafter with lm_head_screen does not compute")
         self._owns_backend = backend is None
         self.backend = backend or Backend("cpu")
         try:
@@ -101,7 +107,8 @@ class Drafter:
             self.q_len = self.cfg.block_size
             self.ring = FeatureRing(ring_cap or cap + 2 * self.q_len, self.cfg.fc_in, ring_dtype)
             self.cache = DraftKvCache(self.weights, self.backend, cap, lm_head=head, cache_type=cache_type,
-                                      swa=swa, embed_tokens=embed, lm_head_dtype=lm_head_dtype)
+                                      swa=swa, embed_tokens=embed, lm_head_dtype=lm_head_dtype,
+                                      lm_head_screen=lm_head_screen)
         except BaseException:
             self.close()
             raise
@@ -153,6 +160,9 @@ class Drafter:
         self._tokens[0] = last_token
         if temperature == 0 and self.p_min == 0.0:
             return self.cache.step_tokens(self.ring, self.committed, self._tokens, output="ids")[1:].astype(np.int64)
+        if self.cache.head_screen is not None:
+            raise ValueError("sampling (temperature > 0) needs the draft's logits, which a drafter with lm_head_screen "
+                             "does not compute")
         logits = self.cache.step_tokens(self.ring, self.committed, self._tokens, output="logits")[1:]
         if temperature == 0:
             return confident_prefix(logits, self.p_min)

@@ -13,6 +13,7 @@ import numpy as np
 from ..ggml import Backend, Buffer, Context, Gallocr, Graph, Tensor
 from ..model.backend_weights import BackendWeights
 from . import layers as L
+from .head_screen import HeadScreen
 from .masks import SplitMask, StepMasks
 
 
@@ -143,9 +144,11 @@ def first_rows(g: Context, t: Tensor, n: int) -> Tensor:
 
 def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory, layer_swa: list[bool],
                      fold: bool, bf16_products: bool, lm_head: Tensor | None, embed_table: Tensor | None,
-                     on_computed: Callable[[StepGraph], None], fold_rows: int) -> BuiltStepGraph:
+                     on_computed: Callable[[StepGraph], None], fold_rows: int,
+                     head_screen: HeadScreen | None = None) -> BuiltStepGraph:
     """Build and allocate a step graph folding in the first `fold_rows` rows of the fold-in inputs,
-    once; every step recomputes it as it is."""
+    once; every step recomputes it as it is. With a `head_screen` the draft ids come from the
+    screened argmax (drafter.head_screen) and the graph has no logits."""
     cfg = weights.cfg
     size = L.graph_size_for(cfg)
     g = Context(n_tensors=size, graph_size=size)
@@ -165,7 +168,8 @@ def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory
 
         h = L.embed_tokens(g, cfg, embed_table, mem.inp_tokens) if mem.inp_tokens is not None else mem.inp_embed
         masks = {False: mem.attention_mask(g, gf, "mask_full"), True: mem.attention_mask(g, gf, "mask_swa")}
-        head = L.noise_forward(g, weights, h, mem.pos_q, kv_of_layer, masks, layer_swa, fold, bf16_products, lm_head)
+        head = L.noise_forward(g, weights, h, mem.pos_q, kv_of_layer, masks, layer_swa, fold, bf16_products,
+                               lm_head if head_screen is None else None)
 
         # (c) outputs
         hidden = gf.expand(head.hidden)
@@ -173,6 +177,11 @@ def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory
         draft_ids = None
         if logits is not None:
             draft_ids = gf.expand(g.argmax(logits))
+        elif head_screen is not None and lm_head is not None:
+            scores = g.mul_mat(head_screen.scores_matrix, head.hidden)
+            scores.name = "lm_head_scores"
+            draft_ids = gf.expand(g.screened_argmax(scores, head.hidden, lm_head, head_screen.bounds))
+        if draft_ids is not None:
             draft_ids.name = "draft_ids"
             draft_ids.set_output()
         galloc = Gallocr(backend)

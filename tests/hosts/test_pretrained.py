@@ -45,3 +45,25 @@ def test_the_shipped_drafter_accepts_in_the_real_loop():
     # measured 1.68 here (Zen 5, one thread; the 2-layer CPU-trained drafter before it: 1.31);
     # random weights give 1.00-1.05
     assert emitted / rounds > 1.5, emitted / rounds
+
+
+def test_a_screened_head_drafts_what_the_exact_head_drafts_in_the_real_loop():
+    """The shipped drafter with the target's head uploaded as f32: the screened argmax
+    (lm_head_screen="q8_0") proposes exactly the exact head's drafts, round after round."""
+    pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python")
+    from pyggml_dkv.hosts.llama_cpp import GenerationConfig, LlamaTarget, SpeculativeGenerator, ggml_drafter
+    from pyggml_dkv.training.prompts import HELD_OUT_PROMPTS
+    from tests.hosts.hosts_helpers import THREADS, smollm2_path
+
+    path = smollm2_path()
+    weights = DraftWeights.from_pretrained(smollm2_drafter_path())
+    with LlamaTarget(path, n_ctx=512, n_threads=THREADS, capture_layers=weights.cfg.target_layer_ids) as t:
+        with ggml_drafter(weights, str(path), lm_head_dtype="f32") as exact, \
+                ggml_drafter(weights, str(path), lm_head_dtype="f32", lm_head_screen="q8_0") as screened:
+            for text in HELD_OUT_PROMPTS[4:6]:
+                prompt = t.tokenize(t.chat_prompt(text))
+                a = SpeculativeGenerator(t, exact).generate(prompt, GenerationConfig(max_tokens=48))
+                b = SpeculativeGenerator(t, screened).generate(prompt, GenerationConfig(max_tokens=48))
+                np.testing.assert_array_equal(b.tokens, a.tokens)
+                assert [r.n_accepted for r in b.stats.rounds] == [r.n_accepted for r in a.stats.rounds]
+                assert sum(r.n_accepted for r in a.stats.rounds) > 0  # the drafts mattered

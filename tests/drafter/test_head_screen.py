@@ -1,0 +1,118 @@
+"""A cache with a screened lm_head (lm_head_screen="q8_0", drafter/head_screen.py): its draft ids
+are the exact head's argmax, its hidden states those of the plain cache bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from pyggml_dkv import DraftConfig, DraftKvCache, Drafter, DraftWeights, FeatureRing
+from pyggml_dkv.ggml import GGMLError
+
+VOCAB = 3000
+
+
+def config(**changes) -> DraftConfig:
+    return DraftConfig(**{**dict(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8,
+                                 n_target_layers=2, mask_token_id=VOCAB - 1, vocab=VOCAB, output_multiplier=0.7,
+                                 final_logit_softcapping=30.0), **changes})
+
+
+def target_matrices(cfg: DraftConfig) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(5)
+    embed = rng.standard_normal((VOCAB, cfg.hidden)).astype(np.float32)
+    head = (rng.standard_normal((VOCAB, cfg.hidden)) / 8).astype(np.float32)
+    return embed, head
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
+def test_trajectory_ids_are_the_exact_heads(cpu, dtype):
+    """Steps of 1..a_step new rows and window wraps (cap 40): screened ids == the float64 argmax of
+    the step's hidden states times the head as uploaded, == the plain cache's ids; hidden states
+    equal to the plain cache's bit for bit."""
+    cfg = config()
+    embed, head = target_matrices(cfg)
+    rng = np.random.default_rng(7)
+    ring = FeatureRing(400, cfg.fc_in)
+    ring.append(rng.standard_normal((400, cfg.fc_in)).astype(np.float32))
+    tokens = np.full(cfg.block_size, cfg.mask_token_id, np.int32)
+    with contextlib.ExitStack() as st:
+        bw = st.enter_context(DraftWeights.random(cfg, seed=3).to_backend(cpu, dtype))
+        plain = st.enter_context(DraftKvCache(bw, cpu, 40, lm_head=head, embed_tokens=embed))
+        screened = st.enter_context(DraftKvCache(bw, cpu, 40, lm_head=head, embed_tokens=embed, lm_head_screen="q8_0"))
+        assert screened.logits is None and screened.draft_ids is not None
+        exact_head = plain.lm_head.numpy().astype(np.float64)  # the head as uploaded (dtype's rounding)
+        committed = 0
+        for step, n_new in enumerate([5, 1, 9, 18, 3, 8, 13, 2, 7, 30, 4]):
+            committed += n_new
+            tokens[0] = step * 37 % VOCAB
+            want_plain = plain.step_tokens(ring, committed, tokens, output="ids")
+            got = screened.step_tokens(ring, committed, tokens, output="ids")
+            hidden = screened.hidden_states.numpy()
+            np.testing.assert_array_equal(hidden, plain.hidden_states.numpy())
+            exact = np.argmax(hidden.astype(np.float64) @ exact_head.T, axis=1)
+            np.testing.assert_array_equal(got, exact)
+            if dtype != "bf16":  # ggml's bf16 product rounds the hidden states to bf16 first
+                np.testing.assert_array_equal(got, want_plain)
+
+
+def test_drafter_greedy_drafts_match_and_limits(cpu):
+    cfg = config()
+    embed, head = target_matrices(cfg)
+    w = DraftWeights.random(cfg, seed=3)
+    feats = np.random.default_rng(9).standard_normal((60, cfg.fc_in)).astype(np.float32)
+    kw = dict(embed_tokens=embed, lm_head=head, backend=cpu, cap=32, weight_dtype="f16")
+    with Drafter(w, **kw) as plain, Drafter(w, **kw, lm_head_screen="q8_0") as screened:
+        for d in (plain, screened):
+            d.add_features(feats[:45])
+        for last in (3, 17, 2900):
+            np.testing.assert_array_equal(screened.propose(last), plain.propose(last))
+        with pytest.raises(ValueError, match="sampling .* lm_head_screen"):
+            screened.propose(3, temperature=0.8)
+    with pytest.raises(ValueError, match="p_min needs the draft's logits"):
+        Drafter(w, **kw, lm_head_screen="q8_0", p_min=0.3)
+
+
+def test_what_a_screened_cache_refuses(cpu):
+    cfg = config()
+    embed, head = target_matrices(cfg)
+    ring = FeatureRing(64, cfg.fc_in)
+    ring.append(np.ones((20, cfg.fc_in), np.float32))
+    tokens = np.full(cfg.block_size, cfg.mask_token_id, np.int32)
+    with DraftWeights.random(cfg, seed=3).to_backend(cpu, "f16") as bw:
+        with DraftKvCache(bw, cpu, 32, lm_head=head, embed_tokens=embed, lm_head_screen="q8_0") as c:
+            with pytest.raises(GGMLError, match="screens its lm_head .* no logits"):
+                c.step_tokens(ring, 20, tokens, output="logits")
+            assert c.step_tokens(ring, 20, tokens, output="hidden").shape == (cfg.block_size, cfg.hidden)
+        with pytest.raises(ValueError, match="lm_head_screen='q8_0' was given without an lm_head"):
+            DraftKvCache(bw, cpu, 32, embed_tokens=embed, lm_head_screen="q8_0")
+        with pytest.raises(ValueError, match="lm_head_screen must be one of"):
+            DraftKvCache(bw, cpu, 32, lm_head=head, lm_head_screen="q4_0")
+        with pytest.raises(ValueError, match="screens an f32 / f16 / bf16 lm_head, this one is q8_0"):
+            DraftKvCache(bw, cpu, 32, lm_head=head, lm_head_dtype="q8_0", lm_head_screen="q8_0")
+    bad = config(output_multiplier=-1.0)
+    with DraftWeights.random(bad, seed=3).to_backend(cpu, "f16") as bw:
+        with pytest.raises(ValueError, match="output_multiplier > 0"):
+            DraftKvCache(bw, cpu, 32, lm_head=head, lm_head_screen="q8_0")
+    odd = config(hidden=80, head_dim=20)
+    with DraftWeights.random(odd, seed=3).to_backend(cpu, "f16") as bw:
+        with pytest.raises(ValueError, match="multiple of 32"):
+            DraftKvCache(bw, cpu, 32, lm_head=np.zeros((VOCAB, 80), np.float32), lm_head_screen="q8_0")
+
+
+def test_non_finite_hidden_states_raise(cpu):
+    """A hidden state that overflows has no argmax: the step says so instead of returning an id."""
+    cfg = config()
+    embed, head = target_matrices(cfg)
+    tensors = dict(DraftWeights.random(cfg, seed=3))
+    tensors["norm.weight"] = np.full(cfg.hidden, 3e38, np.float32)  # the output norm overflows f32
+    w = DraftWeights(cfg, tensors)
+    ring = FeatureRing(64, cfg.fc_in)
+    ring.append(np.ones((20, cfg.fc_in), np.float32))
+    tokens = np.full(cfg.block_size, cfg.mask_token_id, np.int32)
+    with w.to_backend(cpu, "f16") as bw, \
+            DraftKvCache(bw, cpu, 32, lm_head=head, embed_tokens=embed, lm_head_screen="q8_0") as c:
+        with pytest.raises(FloatingPointError, match="hidden states at noise rows .* are not finite"):
+            c.step_tokens(ring, 20, tokens, output="ids")
