@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="dflash checkpoint dir or .gguf, 'oracle', 'random'; default: the shipped SmolLM2 drafter")
     ap.add_argument("--p-min", type=float, default=0.0, help="cut greedy drafts at the first token the drafter gives p < P_MIN")
     ap.add_argument("--hybrid", action="store_true", help="n-gram drafts when the context has a match, DFlash otherwise")
+    ap.add_argument("--lm-head-screen", action="store_true",
+                    help="greedy drafts from the target's head kept f32, found through a q8_0 screen (exact ids, "
+                         "about a q8_0 head's cost; ggml engine, --temperature 0, no --p-min)")
     ap.add_argument("--engine", choices=("ggml", "remote", "reference"), default="ggml")
     ap.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
     ap.add_argument("--raw", action="store_true", help="use the prompt as is, not in the chat template")
@@ -90,8 +93,10 @@ def build_drafter(args: argparse.Namespace, gguf: GGUFFile, reference_tokens: np
     check_fits_gguf(weights.cfg, head.shape[0], gguf)
     engine = args.engine
     if engine == "ggml":
-        drafter = ggml_drafter(weights, str(gguf.path), cap=args.cap, p_min=args.p_min)
+        screen = dict(lm_head_dtype="f32", lm_head_screen="q8_0") if args.lm_head_screen else {}
+        drafter = ggml_drafter(weights, str(gguf.path), cap=args.cap, p_min=args.p_min, **screen)
         what += f", pyggml_dkv Drafter{f', p_min {args.p_min}' if args.p_min else ''}"
+        what += ", f32 lm_head through a q8_0 screen" if args.lm_head_screen else ""
         if args.hybrid:
             return HybridDrafter(drafter), what + ", hybrid with n-gram drafts"
         return drafter, what
@@ -107,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--hybrid and --p-min go with the ggml engine and a DFlash drafter")
     if args.hybrid and args.temperature != 0:
         raise SystemExit("--hybrid drafts for greedy decoding only (--temperature 0)")
+    if args.lm_head_screen and (args.engine != "ggml" or args.drafter == "oracle" or args.temperature != 0 or args.p_min):
+        raise SystemExit("--lm-head-screen goes with the ggml engine, a DFlash drafter, --temperature 0 and no --p-min")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     model = args.model or smollm2_gguf()
     gguf = GGUFFile(model)

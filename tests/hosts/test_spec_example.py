@@ -1,0 +1,32 @@
+"""examples/llama_cpp_spec.py, the real-host example, run as a user would (its screened-head route)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama_cpp_spec.py"
+
+
+def run_example(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=600)
+
+
+def test_screened_head_decodes_losslessly_with_the_shipped_drafter():
+    pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python")
+    pytest.importorskip("gguf", reason="reading GGUF needs the gguf package")
+    res = run_example("--lm-head-screen", "--max-tokens", "16")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "f32 lm_head through a q8_0 screen" in res.stderr
+    assert "lossless: True" in res.stdout
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "0.7"], ["--p-min", "0.3"], ["--engine", "reference"]])
+def test_screened_head_refuses_what_needs_logits(flags):
+    pytest.importorskip("llama_cpp", reason="the example imports the llama.cpp host")
+    res = run_example("--lm-head-screen", *flags)
+    assert res.returncode != 0
+    assert "--lm-head-screen goes with the ggml engine" in res.stderr
