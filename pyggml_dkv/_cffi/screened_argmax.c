@@ -11,6 +11,9 @@
  *   candidates = { t : s_t + B_t >= L }   (contains every row that can reach the maximum)
  *   id = the candidate with the largest exact product (the lowest index on a tie)
  *
+ * The exact products cost ~12x the q8_0 ones per row, so a column whose candidates are most of
+ * the rows (products all within the bound of the best: e.g. a head of identical rows) takes
+ * ~10x a plain product of the whole matrix; it is still exact.
  * B_t = Ew_t * |x| + Wq_t * ex + acc * Wq_t * (|x| + ex), where Ew_t = |exact_t - screen_t| and
  * Wq_t = |screen_t| are the matrix's per-row norms (the op's `bounds` input, rounded up), ex bounds
  * |x - q8_0(x)| (the activations the q8_0 product quantizes, per 32-value block: scale amax/127
@@ -212,6 +215,9 @@ static int32_t screened_argmax_column(const struct ggml_tensor * dst, int64_t co
         }
         xd[i] = x[i];
         xn2 += xd[i] * xd[i];
+    }
+    if (xn2 == 0.0) {  /* every product is exactly 0: a tie of all rows, which the first wins */
+        return 0;
     }
     const double xn = sqrt(xn2) * (1.0 + 1e-12);
     const double ex = activation_error(x, H);
