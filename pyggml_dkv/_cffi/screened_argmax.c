@@ -26,7 +26,12 @@
  * (pyggml_dkv/ggml/ops_screen.py) checks every shape and type before building the op.
  */
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define SCREEN_X86 1
+#else
+#define SCREEN_X86 0
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -55,6 +60,7 @@ static int64_t scores_at_least_scalar(const float * s, int64_t n, float t, int32
     return k;
 }
 
+#if SCREEN_X86
 __attribute__((target("avx2")))
 static float scores_max_avx2(const float * s, int64_t n) {
     __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
@@ -90,6 +96,10 @@ static int64_t scores_at_least_avx2(const float * s, int64_t n, float t, int32_t
     }
     return k;
 }
+#else
+#define scores_max_avx2 scores_max_scalar
+#define scores_at_least_avx2 scores_at_least_scalar
+#endif
 
 /* ---------------------------------------------------------------- exact products, in double */
 
@@ -138,6 +148,7 @@ static double dot_f16_scalar(const ggml_fp16_t * w, const double * x, int64_t n)
     return (a0 + a1) + (a2 + a3);
 }
 
+#if SCREEN_X86
 __attribute__((target("avx2,fma,f16c")))
 static double dot_f16_avx2(const ggml_fp16_t * w, const double * x, int64_t n) {
     __m256d a0 = _mm256_setzero_pd(), a1 = a0;
@@ -155,6 +166,9 @@ static double dot_f16_avx2(const ggml_fp16_t * w, const double * x, int64_t n) {
     }
     return sum;
 }
+#else
+#define dot_f16_avx2 dot_f16_scalar
+#endif
 
 /* the CPU features the scans and products may use (compiled for any x86-64; chosen at run time) */
 struct cpu_caps {
@@ -279,10 +293,12 @@ static int32_t screened_argmax_column(const struct ggml_tensor * dst, int64_t co
 
 void pyggml_dkv_screened_argmax(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) userdata;
+    struct cpu_caps caps = {0, 0};
+#if SCREEN_X86
     __builtin_cpu_init();
-    struct cpu_caps caps;
     caps.avx2 = __builtin_cpu_supports("avx2");
     caps.avx2_f16 = caps.avx2 && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
     if (getenv("PYGGML_DKV_SCREEN_SCALAR")) {  /* tests run the portable code too */
         caps.avx2 = caps.avx2_f16 = 0;
     }

@@ -252,7 +252,8 @@ class DraftKvCache:
         self._step_graph.graph.compute(self.backend)
 
     def step(self, ring: FeatureRing, committed: int, noise_embed: np.ndarray) -> np.ndarray:
-        """One draft step: hidden states (q_len, hidden), or logits (q_len, vocab) with an lm_head."""
+        """One draft step: hidden states (q_len, hidden), or logits (q_len, vocab) with an lm_head
+        (with lm_head_screen: hidden states, and the step's ids in `draft_ids`)."""
         with self._exclusive("use one cache per thread"):
             self._check_usable()
             if self.inp_embed is None:

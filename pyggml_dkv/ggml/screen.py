@@ -14,6 +14,7 @@ import numpy as np
 from .types import dequantize, quantize
 
 SCREEN_TYPE = "q8_0"
+Q8_0_MAX = 127 * 65504.0  # a larger value in a block makes its f16 scale inf
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ def screen_bounds(exact: np.ndarray, rows_per_chunk: int = 4096) -> Screen:
         part = np.ascontiguousarray(m[lo:lo + rows_per_chunk], dtype=np.float32)
         if not np.isfinite(part).all():
             raise ValueError(f"the matrix to screen has NaN or inf values (rows {lo}..{lo + part.shape[0] - 1})")
+        if np.abs(part).max() > Q8_0_MAX:  # the block scale (amax / 127, stored as f16) would overflow
+            raise ValueError(f"the matrix to screen has values beyond q8_0's range (|value| > {Q8_0_MAX:.4g}) in rows "
+                             f"{lo}..{lo + part.shape[0] - 1}: it cannot be screened")
         raw = quantize(SCREEN_TYPE, part)
         deq = dequantize(SCREEN_TYPE, raw, part.size).reshape(part.shape).astype(np.float64)
         norms[lo:lo + part.shape[0], 0] = np.linalg.norm(part.astype(np.float64) - deq, axis=1)

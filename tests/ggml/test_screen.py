@@ -220,6 +220,10 @@ def test_screen_bounds_checks():
         screen_bounds(np.full((4, 32), np.inf, np.float32))
     with pytest.raises(ValueError, match="floating-point"):
         screen_bounds(np.zeros((4, 32), np.int32))
+    big = np.ones((4, 32), np.float32)
+    big[2, 7] = 1e7  # a bf16 / f32 head may hold it; q8_0's f16 block scale cannot
+    with pytest.raises(ValueError, match="beyond q8_0's range .* rows 0..3"):
+        screen_bounds(big)
 
 
 def test_screen_bounds_are_upper_bounds(rng):
