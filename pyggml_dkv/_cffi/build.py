@@ -77,6 +77,8 @@ def make_ffibuilder() -> FFI:
         libraries.insert(0, f"ggml-{name}")
     source = "\n".join(f'#include "{h}"' for h in [*includes, "custom_ops.h"]) + "\n" + stamp_source()
     archives = [str(LIB_DIR / f"lib{name}.a") for name in libraries]
+    # an ASan build of ggml (GGML_SANITIZE=address) instruments our own C too (the custom ops)
+    sanitize = ["-fsanitize=address", "-fno-omit-frame-pointer"] if "asan" in read_lines("variant")[0].split("-") else []
 
     ffibuilder = FFI()
     ffibuilder.cdef(cdefs)
@@ -85,6 +87,7 @@ def make_ffibuilder() -> FFI:
         source,
         sources=[str(p) for p in OP_SOURCES],
         include_dirs=[str(INCLUDE_DIR), str(HERE)],  # HERE: custom_ops.h
+        extra_compile_args=sanitize,
         # relink whenever ggml was rebuilt, even when the generated C source is unchanged
         depends=[*archives, str(LIBS / "link-args"), str(EXPORTS_MAP), *map(str, OP_SOURCES), str(HERE / "custom_ops.h")],
         extra_link_args=[
