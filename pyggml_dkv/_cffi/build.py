@@ -85,7 +85,8 @@ def make_ffibuilder() -> FFI:
     ffibuilder.set_source(
         "pyggml_dkv._ggml_cffi",
         source,
-        sources=[str(p) for p in OP_SOURCES],
+        # relative to the working directory: setuptools refuses absolute source paths
+        sources=[os.path.relpath(p) for p in OP_SOURCES],
         include_dirs=[str(INCLUDE_DIR), str(HERE)],  # HERE: custom_ops.h
         extra_compile_args=sanitize,
         # relink whenever ggml was rebuilt, even when the generated C source is unchanged
