@@ -44,11 +44,19 @@ if [ ! -f "$PREFIX/lib/libggml-cpu.a" ] || [ "$(cat "$PREFIX/.source" 2>/dev/nul
         : > "$PREFIX/patches"
     fi
     printf '%s\n' -lstdc++ -lm -ldl -lpthread -fopenmp > "$PREFIX/link-args"
+    echo "$SRC_ID" > "$PREFIX/.source"
+fi
+
+# the extension: relinked when ggml was rebuilt or its own sources (cdefs, custom ops) changed
+EXT_ID="$SRC_ID $(cat "$ROOT"/pyggml_dkv/_cffi/*.py "$ROOT"/pyggml_dkv/_cffi/*.h "$ROOT"/pyggml_dkv/_cffi/*.c \
+                  "$ROOT"/pyggml_dkv/_cffi/*.map | sha256sum | cut -c1-16)"
+if [ "$(cat "$PREFIX/.ext" 2>/dev/null)" != "$EXT_ID" ]; then
     echo "memcheck.sh: linking the extension against it (log: $BUILD.cffi.log)" >&2
+    rm -rf "$PREFIX/ext"
     mkdir -p "$PREFIX/ext"
     (cd "$PREFIX/ext" && PYGGML_DKV_GGML_PREFIX="$PREFIX" "$PYTHON" "$ROOT/pyggml_dkv/_cffi/build.py") \
         > "$BUILD.cffi.log" 2>&1 || { tail -n 30 "$BUILD.cffi.log" >&2; exit 2; }
-    echo "$SRC_ID" > "$PREFIX/.source"
+    echo "$EXT_ID" > "$PREFIX/.ext"
 fi
 
 # the package's current Python code with the memcheck extension and its record of the build

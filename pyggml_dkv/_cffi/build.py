@@ -64,6 +64,13 @@ def stamp_source() -> str:
     )
 
 
+def source_path(path: Path) -> str:
+    """A C source as setuptools takes it: relative to the working directory, setup.py's (it refuses
+    absolute paths); a compile run from elsewhere (scripts/memcheck.sh) gets the absolute path."""
+    rel = os.path.relpath(path)
+    return str(path) if rel.startswith("..") else rel
+
+
 def make_ffibuilder() -> FFI:
     if not (LIB_DIR / "libggml.a").exists():
         raise RuntimeError(f"ggml is not built: {LIB_DIR / 'libggml.a'} is missing; run ./build_ggml.sh")
@@ -85,8 +92,7 @@ def make_ffibuilder() -> FFI:
     ffibuilder.set_source(
         "pyggml_dkv._ggml_cffi",
         source,
-        # relative to the working directory: setuptools refuses absolute source paths
-        sources=[os.path.relpath(p) for p in OP_SOURCES],
+        sources=[source_path(p) for p in OP_SOURCES],
         include_dirs=[str(INCLUDE_DIR), str(HERE)],  # HERE: custom_ops.h
         extra_compile_args=sanitize,
         # relink whenever ggml was rebuilt, even when the generated C source is unchanged
