@@ -50,10 +50,12 @@ class DraftKvCache:
         instead of the weights' (e.g. "q8_0" next to f16 weights: over a large vocabulary the
         product is ~40% of an f16 step at small windows, and on AMX / VNNI CPUs a q8_0 one costs a
         third; its logits then carry q8_0's int8 rounding, ~1e-2 relative, docs/design.md "Precision").
-        `lm_head_screen="q8_0"` (CPU backend, f32 / f16 / bf16 lm_head): the step multiplies a q8_0
-        copy of the head and only the tokens it cannot rule out exactly, so `draft_ids` are still
-        the exact head's argmax, at about the cost of a q8_0 head; such a cache yields no logits
-        (drafter.head_screen; docs/design.md, "Exact draft ids from a screened head").
+        `lm_head_screen="q8_0"` (CPU backend, f32 / f16 / bf16 lm_head): a step for draft ids
+        multiplies a q8_0 copy of the head and only the tokens it cannot rule out exactly, so
+        `draft_ids` are still the exact head's argmax, at about the cost of a q8_0 head; a step
+        for logits (`step`, `step_tokens(output="logits")`, `compute(logits=True)`) runs a second
+        set of graphs with the full head product (drafter.head_screen; docs/design.md, "Exact
+        draft ids from a screened head").
         `attention="bf16"`: the CPU backend runs attention's two products with bf16 inputs on
         AMX tiles where it can (docs/design.md, "Precision")."""
         cap = check_drafter_args(weights, backend, cap, cache_type, swa, attention)
@@ -87,12 +89,10 @@ class DraftKvCache:
             self.memory = self._own(CacheMemory(weights, backend, geo, cache_type, masks,
                                                 token_input=self.embed_tokens is not None))
             # one graph per fold-in size (geometry.fold_buckets), all over the same memory; a step
-            # computes the smallest that takes its new rows, the last (a_step rows) is `gf`
-            self.graphs = {rows: self._own(build_step_graph(weights, backend, self.memory, self.layer_swa, self.fold_gqa,
-                                                             attention == "bf16" and backend.is_cpu, self.lm_head,
-                                                             self.embed_tokens, self._fold_in_computed, rows,
-                                                             self.head_screen))
-                           for rows in geo.fold_buckets}
+            # computes the smallest that takes its new rows, the last (a_step rows) is `gf`. With a
+            # screen these yield the screened ids, and a second set the logits (logit_graphs)
+            self.graphs = self._build_graphs(self.head_screen)
+            self.logit_graphs = self._build_graphs(None) if self.head_screen is not None else self.graphs
         except BaseException:
             self.close()
             raise
@@ -106,7 +106,7 @@ class DraftKvCache:
         self.ap_feat, self.ap_pos, self.ap_rows = mem.ap_feat, mem.ap_pos, mem.ap_rows
         built = self.graphs[geo.a_step]  # the graph every begin_step's inputs fit (the C-style API's)
         self.g_ctx, self.gf, self.galloc = built.ctx, built.graph, built.galloc
-        self._step_graph = built  # what compute() runs next: the smallest graph for the pending rows
+        self._bucket = geo.a_step  # what compute() runs next: the smallest graph for the pending rows
         self._computed = built  # the graph computed last: whose outputs are the step's
         self.n_nodes = self.gf.n_nodes
 
@@ -116,6 +116,12 @@ class DraftKvCache:
         self._pending: np.ndarray | None = None  # fold-in positions filled in but not yet computed
         self._ring = RingWatch()  # what the ring dropped since the last step
         log.debug("DraftKvCache %s: %d graph nodes", geo, self.n_nodes)
+
+    def _build_graphs(self, head_screen: HeadScreen | None) -> dict[int, Any]:
+        return {rows: self._own(build_step_graph(self.weights, self.backend, self.memory, self.layer_swa, self.fold_gqa,
+                                                 self.attention == "bf16" and self.backend.is_cpu, self.lm_head,
+                                                 self.embed_tokens, self._fold_in_computed, rows, head_screen))
+                for rows in self.geometry.fold_buckets}
 
     def _own(self, obj: Any) -> Any:
         self._owned.append(obj)
@@ -197,7 +203,8 @@ class DraftKvCache:
 
     def _fold_in_computed(self, graph: Any) -> None:
         self._pending = None
-        self._computed = next(b for b in self.graphs.values() if b.graph is graph)
+        self._computed = next(b for graphs in (self.graphs, self.logit_graphs) for b in graphs.values()
+                              if b.graph is graph)
 
     # the outputs of the step graph computed last (the smallest one that took the step's rows)
     @property
@@ -238,7 +245,7 @@ class DraftKvCache:
             self.slots.record(new)
             new = new[:0]
         self._inputs.fold_in(ring, new)
-        self._step_graph = self.graphs[self.geometry.bucket_for(new.size)]
+        self._bucket = self.geometry.bucket_for(new.size)
         if new.size:
             self.slots.record(new)
             self._pending = new
@@ -246,14 +253,16 @@ class DraftKvCache:
         self._ring.look(ring)
         self._inputs.noise_and_masks(self.slots.slot_pos, lo, committed)
 
-    def compute(self) -> None:
-        """Run the step graph (after begin_step and the noise block are set)."""
+    def compute(self, logits: bool = False) -> None:
+        """Run the step graph (after begin_step and the noise block are set). `logits`: a cache
+        with lm_head_screen runs its graph with the full head product (its `logits`), not the
+        screened one (its exact `draft_ids` only)."""
         self._check_usable()
-        self._step_graph.graph.compute(self.backend)
+        (self.logit_graphs if logits else self.graphs)[self._bucket].graph.compute(self.backend)
 
     def step(self, ring: FeatureRing, committed: int, noise_embed: np.ndarray) -> np.ndarray:
         """One draft step: hidden states (q_len, hidden), or logits (q_len, vocab) with an lm_head
-        (with lm_head_screen: hidden states, and the step's ids in `draft_ids`)."""
+        (with lm_head_screen too: the full head's product)."""
         with self._exclusive("use one cache per thread"):
             self._check_usable()
             if self.inp_embed is None:
@@ -261,7 +270,7 @@ class DraftKvCache:
             emb = check_noise_embed(noise_embed, self.q_len, self.cfg.hidden)
             self.begin_step(ring, committed)
             self._embed_upload.upload(emb)  # type: ignore[union-attr]
-            self.compute()
+            self.compute(logits=True)
             return (self.logits if self.logits is not None else self.hidden_states).numpy()
 
     def step_tokens(self, ring: FeatureRing, committed: int, tokens: Any, output: str = "ids") -> np.ndarray:
@@ -272,15 +281,12 @@ class DraftKvCache:
             if self.inp_tokens is None:
                 raise GGMLError("this cache takes embeddings (built without embed_tokens): use step()")
             check_choice("output", output, ("ids", "logits", "hidden"))
-            if output != "hidden" and self.draft_ids is None:
+            if output != "hidden" and self.lm_head is None:
                 raise GGMLError(f"output={output!r} needs the cache to be built with an lm_head")
-            if output == "logits" and self.logits is None:
-                raise GGMLError("this cache screens its lm_head (lm_head_screen): its steps yield exact draft ids but "
-                                "no logits; build it without lm_head_screen to read logits")
             ids = check_token_ids(tokens, self.q_len, self.embed_tokens.ne[1])
             self.begin_step(ring, committed)
             self.inp_tokens.set(ids)
-            self.compute()
+            self.compute(logits=output == "logits")
             out = {"ids": self.draft_ids, "logits": self.logits, "hidden": self.hidden_states}[output].numpy()
             if output == "ids" and self.head_screen is not None and (out < 0).any():
                 # the screened argmax marks a row whose hidden state is not finite (no id is its argmax)

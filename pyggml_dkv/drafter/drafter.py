@@ -53,8 +53,8 @@ class Drafter:
     `weight_dtype` is the drafter's matrices' type ("auto": by backend and CPU); the lm_head is
     uploaded in that type too unless `lm_head_dtype` says otherwise (DraftKvCache).
     `lm_head_screen="q8_0"`: greedy drafts (temperature 0, p_min 0) come from the screened argmax,
-    the exact head's ids at about a q8_0 head's cost; such a drafter cannot sample or cut drafts
-    by p_min, which need logits (DraftKvCache, drafter.head_screen).
+    the exact head's ids at about a q8_0 head's cost; sampling and p_min still read the full head's
+    logits (DraftKvCache, drafter.head_screen).
     """
 
     def __init__(
@@ -79,8 +79,6 @@ class Drafter:
         if not is_real(p_min) or not 0.0 <= p_min < 1.0:
             raise ValueError(f"p_min must be a number in [0, 1), got {p_min!r}")
         self.p_min = float(p_min)
-        if lm_head_screen is not None and self.p_min > 0:
-            raise ValueError("p_min needs the draft's logits, which a drafter with lm_head_screen does not compute")
         self._owns_backend = backend is None
         self.backend = backend or Backend("cpu")
         try:
@@ -160,9 +158,6 @@ class Drafter:
         self._tokens[0] = last_token
         if temperature == 0 and self.p_min == 0.0:
             return self.cache.step_tokens(self.ring, self.committed, self._tokens, output="ids")[1:].astype(np.int64)
-        if self.cache.head_screen is not None:
-            raise ValueError("sampling (temperature > 0) needs the draft's logits, which a drafter with lm_head_screen "
-                             "does not compute")
         logits = self.cache.step_tokens(self.ring, self.committed, self._tokens, output="logits")[1:]
         if temperature == 0:
             return confident_prefix(logits, self.p_min)

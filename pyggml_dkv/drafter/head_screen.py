@@ -6,7 +6,8 @@ windows), while a q8_0 copy of the head multiplies in a third of the time on VNN
 screen, the step graph multiplies the q8_0 copy, and ggml's `screened_argmax` op
 (pyggml_dkv/ggml/ops_screen.py) multiplies exactly only the tokens whose q8_0 score is within a
 proven error bound of the best: the ids are those of the exact head (docs/design.md, "Exact draft
-ids from a screened head"). The step then yields ids but no logits.
+ids from a screened head"). Steps that want logits run a second set of graphs with the full
+product (DraftKvCache.logit_graphs).
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory
                      head_screen: HeadScreen | None = None) -> BuiltStepGraph:
     """Build and allocate a step graph folding in the first `fold_rows` rows of the fold-in inputs,
     once; every step recomputes it as it is. With a `head_screen` the draft ids come from the
-    screened argmax (drafter.head_screen) and the graph has no logits."""
+    screened argmax (drafter.head_screen) and this graph has no logits."""
     cfg = weights.cfg
     size = L.graph_size_for(cfg)
     g = Context(n_tensors=size, graph_size=size)

@@ -1,5 +1,6 @@
 """A cache with a screened lm_head (lm_head_screen="q8_0", drafter/head_screen.py): its draft ids
-are the exact head's argmax, its hidden states those of the plain cache bit for bit."""
+are the exact head's argmax, its hidden states those of the plain cache bit for bit, and its
+logit steps those of the plain cache."""
 
 from __future__ import annotations
 
@@ -42,14 +43,17 @@ def test_trajectory_ids_are_the_exact_heads(cpu, dtype, parity_log):
         bw = st.enter_context(DraftWeights.random(cfg, seed=3).to_backend(cpu, dtype))
         plain = st.enter_context(DraftKvCache(bw, cpu, 40, lm_head=head, embed_tokens=embed))
         screened = st.enter_context(DraftKvCache(bw, cpu, 40, lm_head=head, embed_tokens=embed, lm_head_screen="q8_0"))
-        assert screened.logits is None and screened.draft_ids is not None
         exact_head = plain.lm_head.numpy().astype(np.float64)  # the head as uploaded (dtype's rounding)
         committed, differ, total = 0, 0, 0
         for step, n_new in enumerate([5, 1, 9, 18, 3, 8, 13, 2, 7, 30, 4]):
             committed += n_new
             tokens[0] = step * 37 % VOCAB
+            if step % 3 == 2:  # logit steps in between (the full head's graphs) change nothing after them
+                np.testing.assert_array_equal(screened.step_tokens(ring, committed - 1, tokens, output="logits"),
+                                              plain.step_tokens(ring, committed - 1, tokens, output="logits"))
             want_plain = plain.step_tokens(ring, committed, tokens, output="ids")
             got = screened.step_tokens(ring, committed, tokens, output="ids")
+            assert screened.logits is None  # the screened graph computed last
             hidden = screened.hidden_states.numpy()
             np.testing.assert_array_equal(hidden, plain.hidden_states.numpy())
             exact = np.argmax(hidden.astype(np.float64) @ exact_head.T, axis=1)
@@ -61,7 +65,9 @@ def test_trajectory_ids_are_the_exact_heads(cpu, dtype, parity_log):
                f"hidden 128, vocab {VOCAB}, cap 40, {total} ids")
 
 
-def test_drafter_greedy_drafts_match_and_limits(cpu):
+def test_drafter_drafts_match_greedy_sampled_and_cut(cpu):
+    """Greedy drafts through the screen, sampled drafts and p_min cuts through the full head: all
+    as a plain drafter's."""
     cfg = config()
     embed, head = target_matrices(cfg)
     w = DraftWeights.random(cfg, seed=3)
@@ -72,10 +78,14 @@ def test_drafter_greedy_drafts_match_and_limits(cpu):
             d.add_features(feats[:45])
         for last in (3, 17, 2900):
             np.testing.assert_array_equal(screened.propose(last), plain.propose(last))
-        with pytest.raises(ValueError, match="sampling .* lm_head_screen"):
-            screened.propose(3, temperature=0.8)
-    with pytest.raises(ValueError, match="p_min needs the draft's logits"):
-        Drafter(w, **kw, lm_head_screen="q8_0", p_min=0.3)
+            ids_a, p_a = screened.propose(last, temperature=0.8, rng=np.random.default_rng(last))
+            ids_b, p_b = plain.propose(last, temperature=0.8, rng=np.random.default_rng(last))
+            np.testing.assert_array_equal(ids_a, ids_b)
+            np.testing.assert_array_equal(p_a, p_b)
+    with Drafter(w, **kw, p_min=0.05) as plain, Drafter(w, **kw, lm_head_screen="q8_0", p_min=0.05) as screened:
+        for d in (plain, screened):
+            d.add_features(feats[:45])
+        np.testing.assert_array_equal(screened.propose(5), plain.propose(5))
 
 
 def test_what_a_screened_cache_refuses(cpu):
@@ -86,9 +96,9 @@ def test_what_a_screened_cache_refuses(cpu):
     tokens = np.full(cfg.block_size, cfg.mask_token_id, np.int32)
     with DraftWeights.random(cfg, seed=3).to_backend(cpu, "f16") as bw:
         with DraftKvCache(bw, cpu, 32, lm_head=head, embed_tokens=embed, lm_head_screen="q8_0") as c:
-            with pytest.raises(GGMLError, match="screens its lm_head .* no logits"):
-                c.step_tokens(ring, 20, tokens, output="logits")
             assert c.step_tokens(ring, 20, tokens, output="hidden").shape == (cfg.block_size, cfg.hidden)
+        with DraftKvCache(bw, cpu, 32, embed_tokens=embed) as c, pytest.raises(GGMLError, match="needs .* an lm_head"):
+            c.step_tokens(ring, 20, tokens, output="ids")
         with pytest.raises(ValueError, match="lm_head_screen='q8_0' was given without an lm_head"):
             DraftKvCache(bw, cpu, 32, embed_tokens=embed, lm_head_screen="q8_0")
         with pytest.raises(ValueError, match="lm_head_screen must be one of"):
@@ -119,3 +129,29 @@ def test_non_finite_hidden_states_raise(cpu):
             DraftKvCache(bw, cpu, 32, lm_head=head, embed_tokens=embed, lm_head_screen="q8_0") as c:
         with pytest.raises(FloatingPointError, match="hidden states at noise rows .* are not finite"):
             c.step_tokens(ring, 20, tokens, output="ids")
+
+
+def test_embedding_input_cache_steps_and_c_style_compute(cpu):
+    """A cache fed embeddings: step() returns the full head's logits; the C-style begin_step +
+    compute() runs the screened graph (exact draft_ids), compute(logits=True) the full one."""
+    cfg = config()
+    _, head = target_matrices(cfg)
+    rng = np.random.default_rng(11)
+    ring = FeatureRing(64, cfg.fc_in)
+    ring.append(rng.standard_normal((30, cfg.fc_in)).astype(np.float32))
+    noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
+    with DraftWeights.random(cfg, seed=3).to_backend(cpu, "f16") as bw, \
+            DraftKvCache(bw, cpu, 32, lm_head=head) as plain, \
+            DraftKvCache(bw, cpu, 32, lm_head=head, lm_head_screen="q8_0") as screened:
+        np.testing.assert_array_equal(screened.step(ring, 20, noise), plain.step(ring, 20, noise))
+        for c in (plain, screened):
+            c.begin_step(ring, 30)
+            c.inp_embed.set(noise)
+            c.compute()
+        assert screened.logits is None and plain.logits is not None
+        exact = np.argmax(screened.hidden_states.numpy().astype(np.float64) @ plain.lm_head.numpy().astype(np.float64).T, 1)
+        np.testing.assert_array_equal(screened.draft_ids.numpy(), exact)
+        np.testing.assert_array_equal(screened.draft_ids.numpy(), plain.draft_ids.numpy())
+        screened.begin_step(ring, 30)
+        screened.compute(logits=True)
+        np.testing.assert_array_equal(screened.logits.numpy(), plain.logits.numpy())

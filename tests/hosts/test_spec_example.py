@@ -24,9 +24,9 @@ def test_screened_head_decodes_losslessly_with_the_shipped_drafter():
     assert "lossless: True" in res.stdout
 
 
-@pytest.mark.parametrize("flags", [["--temperature", "0.7"], ["--p-min", "0.3"], ["--engine", "reference"]])
-def test_screened_head_refuses_what_needs_logits(flags):
+@pytest.mark.parametrize("flags", [["--engine", "reference"], ["--drafter", "oracle"]])
+def test_screened_head_needs_our_drafter(flags):
     pytest.importorskip("llama_cpp", reason="the example imports the llama.cpp host")
     res = run_example("--lm-head-screen", *flags)
     assert res.returncode != 0
-    assert "--lm-head-screen goes with the ggml engine" in res.stderr
+    assert "--lm-head-screen goes with the ggml engine and a DFlash drafter" in res.stderr
