@@ -26,3 +26,19 @@ def test_bench_step_quick_smoke(tmp_path):
         text = json.dumps(result["windows"])
         for system in ("kv_f16", "kv_q8", "raw", "oneshot"):
             assert system in text
+
+
+def test_bench_head_smoke(tmp_path):
+    """bench_head.py runs every head variant on the shipped drafter and checks the screened f32
+    head's drafts against the f32 head's itself (it exits non-zero otherwise)."""
+    import pytest
+
+    pytest.importorskip("gguf", reason="the SmolLM2 target GGUF is read with the gguf package")
+    out = tmp_path / "head.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "bench_head.py"), "--rounds", "1", "--steps", "5",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["variants"]) == {"head_q8_0", "head_f32", "head_f16", "head_f32_screened", "head_f16_screened"}
+    assert report["variants"]["head_f32_screened"]["ids_equal_to_f32_head"] == 1.0
+    assert all(v["n"] == 2 and v["median_ms"] > 0 for v in report["variants"].values())
