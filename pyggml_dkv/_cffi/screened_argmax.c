@@ -11,18 +11,20 @@
  *   candidates = { t : s_t + B_t >= L }   (contains every row that can reach the maximum)
  *   id = the candidate with the largest exact product (the lowest index on a tie)
  *
- * The exact products cost ~12x the q8_0 ones per row, so a column whose candidates are most of
- * the rows (products all within the bound of the best: e.g. a head of identical rows) takes
- * ~10x a plain product of the whole matrix; it is still exact.
  * B_t = Ew_t * |x| + Wq_t * ex + acc * Wq_t * (|x| + ex), where Ew_t = |exact_t - screen_t| and
  * Wq_t = |screen_t| are the matrix's per-row norms (the op's `bounds` input, rounded up), ex bounds
  * |x - q8_0(x)| (the activations the q8_0 product quantizes, per 32-value block: scale amax/127
  * rounded to f16, values rounded to nearest) and acc bounds the product's f32 rounding (one
  * rounding per 32-value block: int32 block sums are exact).
  *
+ * The exact products cost ~12x the q8_0 ones per row, so a column whose candidates are most of
+ * the rows (products all within the bound of the best: e.g. a head of identical rows) takes
+ * ~10x a plain product of the whole matrix; it is still exact.
+ *
  * Inputs (ggml order): src[0] screen scores f32 [V, Q]; src[1] hidden f32 [H, Q]; src[2] exact
  * matrix [H, V] in host memory; src[3] bounds f32 [2, V + 1]: (Ew_t, Wq_t) per row, then their
- * maxima. Output: i32 [Q], -1 for a column that is not finite. The Python side
+ * maxima. Output: i32 [Q], -1 for a column that is not finite, -2 where the op could not
+ * allocate its scratch (a few hundred KB). The Python side
  * (pyggml_dkv/ggml/ops_screen.py) checks every shape and type before building the op.
  */
 
@@ -310,8 +312,7 @@ void pyggml_dkv_screened_argmax(struct ggml_tensor * dst, int ith, int nth, void
     double * xd = (double *) malloc((size_t) H * sizeof(double));
     int32_t * out = (int32_t *) dst->data;
     for (int64_t col = ith; col < Q; col += nth) {
-        /* an allocation that failed leaves -1 (no id), which the Python side reports */
-        out[col] = cand && xd ? screened_argmax_column(dst, col, cand, xd, caps) : -1;
+        out[col] = cand && xd ? screened_argmax_column(dst, col, cand, xd, caps) : -2;
     }
     free(cand);
     free(xd);

@@ -289,7 +289,9 @@ class DraftKvCache:
             self.compute(logits=output == "logits")
             out = {"ids": self.draft_ids, "logits": self.logits, "hidden": self.hidden_states}[output].numpy()
             if output == "ids" and self.head_screen is not None and (out < 0).any():
-                # the screened argmax marks a row whose hidden state is not finite (no id is its argmax)
+                # the screened argmax marks rows it has no id for (ggml/ops_screen.py)
+                if (out == -2).any():
+                    raise MemoryError("the screened argmax could not allocate its scratch memory: no draft ids")
                 raise FloatingPointError(f"the drafter's hidden states at noise rows {np.nonzero(out < 0)[0].tolist()} "
                                          "are not finite: no draft ids")
             return out

@@ -39,7 +39,7 @@ class ScreenOps(OpBuilder):
     def screened_argmax(self, scores: "Tensor", x: "Tensor", exact: "Tensor", bounds: "Tensor") -> "Tensor":
         """ids [Q] i32: for each column x_q of x [H, Q], argmax_t of exact_t . x_q over the V rows
         of `exact` [H, V] (f32 / f16 / bf16, in host memory), the lowest t on a tie; -1 for a column
-        that is not finite.
+        that is not finite, -2 if the op could not allocate its scratch memory.
 
         `scores` [V, Q] f32 = mul_mat(screen, x) with `screen` the q8_0 quantization of `exact`, and
         `bounds` [2, V + 1] f32 = pyggml_dkv.ggml.screen.screen_bounds(exact) for that screen:
