@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from pyggml_dkv import DraftConfig, DraftKvCache, Drafter, DraftWeights, FeatureRing
-from pyggml_dkv.ggml import GGMLError
+from pyggml_dkv.ggml import GGMLError, amx_available, vnni_available
 
-VOCAB = 3000
+VOCAB = 3008  # a multiple of 32: the screen goes to the repacking buffer (VNNI, or AMX tiles)
 
 
 def config(**changes) -> DraftConfig:
@@ -43,6 +43,7 @@ def test_trajectory_ids_are_the_exact_heads(cpu, dtype, parity_log):
         bw = st.enter_context(DraftWeights.random(cfg, seed=3).to_backend(cpu, dtype))
         plain = st.enter_context(DraftKvCache(bw, cpu, 40, lm_head=head, embed_tokens=embed))
         screened = st.enter_context(DraftKvCache(bw, cpu, 40, lm_head=head, embed_tokens=embed, lm_head_screen="q8_0"))
+        assert screened.head_screen.scores_matrix.is_repacked == (vnni_available() or amx_available())
         exact_head = plain.lm_head.numpy().astype(np.float64)  # the head as uploaded (dtype's rounding)
         committed, differ, total = 0, 0, 0
         for step, n_new in enumerate([5, 1, 9, 18, 3, 8, 13, 2, 7, 30, 4]):

@@ -9,18 +9,19 @@ import contextlib
 import numpy as np
 import pytest
 
-from pyggml_dkv.ggml import Buffer, Context, Gallocr, Graph, cpu_extra_buffer_types, vnni_available
+from pyggml_dkv.ggml import Buffer, Context, Gallocr, Graph, amx_available, cpu_extra_buffer_types, vnni_available
 from pyggml_dkv.ggml.screen import screen_bounds
 from tests.ggml.helpers import RNG_SEED
 
-REPACK = [False] + ([True] if vnni_available() else [])
+# where the screen's q8_0 product runs: ggml's generic kernel, our VNNI one, ggml's AMX tiles
+REPACK = [False] + (["CPU_REPACK"] if vnni_available() else []) + (["AMX"] if amx_available() else [])
 
 
 class ScreenedArgmax:
-    """exact (V, H) uploaded as `exact_type`, its q8_0 screen (repacked for VNNI when asked), and a
+    """exact (V, H) uploaded as `exact_type`, its q8_0 screen (in a repacking buffer when asked), and a
     graph computing [screen scores, screened ids, the plain argmax of the exact product] for x."""
 
-    def __init__(self, backend, exact: np.ndarray, q: int, exact_type: str = "f16", repack: bool = False) -> None:
+    def __init__(self, backend, exact: np.ndarray, q: int, exact_type: str = "f16", repack: str | bool = False) -> None:
         v, h = exact.shape
         self.stack = contextlib.ExitStack()
         wctx = self.stack.enter_context(Context(n_tensors=2))
@@ -34,12 +35,11 @@ class ScreenedArgmax:
         sctx = self.stack.enter_context(Context(n_tensors=1))
         self.screen = sctx.new_tensor("q8_0", h, v, name="screen")
         if repack:
-            self.stack.enter_context(Buffer.alloc_ctx_tensors_from_buft(sctx, cpu_extra_buffer_types()["CPU_REPACK"],
-                                                                        backend))
+            self.stack.enter_context(Buffer.alloc_ctx_tensors_from_buft(sctx, cpu_extra_buffer_types()[repack], backend))
         else:
             self.stack.enter_context(Buffer.alloc_ctx_tensors(sctx, backend))
         self.screen.set_bytes(screen.raw)
-        assert self.screen.is_repacked == repack
+        assert self.screen.is_repacked == bool(repack)
         xctx = self.stack.enter_context(Context(n_tensors=1))
         self.x = xctx.new_tensor("f32", h, q, name="x")
         self.stack.enter_context(Buffer.alloc_ctx_tensors(xctx, backend))
