@@ -242,7 +242,8 @@ def test_screen_bounds_are_upper_bounds(rng):
     np.testing.assert_array_equal(s.bounds[70], s.bounds[:70].max(axis=0))
 
 
-def test_errors_aligned_against_the_screen(be, rng):
+@pytest.mark.parametrize("repack", REPACK)
+def test_errors_aligned_against_the_screen(be, rng, repack):
     """A worst case for the bound: row u scores above row t on the screen, but both rows' q8_0
     rounding errors point along x (t's towards it, u's away), so t is the exact argmax by a margin
     of ~10% of those errors. x is flat (every |x_i| equal: its q8_0 quantization is exact) and the
@@ -267,7 +268,7 @@ def test_errors_aligned_against_the_screen(be, rng):
     rows[0] = (grid + steps) * d - err  # u
     rows[1] = grid * d + err  # t
     rows[2:] = -np.abs(rows[1]) * rng.uniform(0.5, 1, (62, 1))  # far below
-    op = ScreenedArgmax(be, rows.astype(np.float32), 1, "f32")
+    op = ScreenedArgmax(be, rows.astype(np.float32), 1, "f32", repack)
     try:
         ids, scores, _ = op(x[None, :])
         exact = op.values @ x.astype(np.float64)
