@@ -164,10 +164,14 @@ def construct(fz: FuzzRun) -> None:
         st.sampled_from([W, None, "weights", closed_weights]).map(
             lambda v: ("weights", dict(weights=v), ("backendweights", "closed"))),
         st.sampled_from([None, "cpu", bw, closed_backend]).map(lambda v: ("backend", dict(backend=v), ("backend", "closed"))),
+        st.one_of(st.text(max_size=4).filter(lambda v: v != "q8_0"), st.sampled_from(["Q8_0", "q4_0", "f16", 1, True])).map(
+            lambda v: ("lm_head_screen", dict(lm_head=lm, lm_head_screen=v), ("lm_head_screen",))),
+        st.just(("lm_head_screen", dict(lm_head_screen="q8_0"), ("lm_head_screen", "lm_head"))),
+        st.just(("lm_head_screen", dict(lm_head=lm, lm_head_dtype="q8_0", lm_head_screen="q8_0"), ("screen", "q8_0"))),
     )
     good = st.fixed_dictionaries({
         "cap": st.integers(1, 70), "cache_type": st.sampled_from(dkv.CACHE_TYPES), "swa": st.sampled_from(dkv.SWA_MODES),
-        "lm": st.booleans(), "committed": st.integers(1, 60), "oneshot": st.booleans(),
+        "lm": st.booleans(), "committed": st.integers(1, 60), "oneshot": st.booleans(), "screen": st.booleans(),
     })
 
     @fz.fuzz
@@ -178,8 +182,17 @@ def construct(fz: FuzzRun) -> None:
             fz.case(f"construct valid {g}")
             kw = dict(cap=g["cap"], cache_type=g["cache_type"], swa=g["swa"], lm_head=lm if g["lm"] else None)
             cls = OneShotDrafter if g["oneshot"] else DraftKvCache
+            screen = g["screen"] and g["lm"] and not g["oneshot"]
+            if screen:
+                kw["lm_head_screen"] = "q8_0"
             with cls(bw, backend, **kw) as c:
                 got = c.step(RING, g["committed"], NOISE)
+                if screen:  # the screened graph: ids of the exact (f32) head for the step's hidden states
+                    c.begin_step(RING, g["committed"])
+                    c.inp_embed.set(NOISE)
+                    c.compute()
+                    hidden = c.hidden_states.numpy().astype(np.float64)
+                    assert (c.draft_ids.numpy() == np.argmax(hidden @ lm.astype(np.float64).T, axis=1)).all(), g
             want = R.reference_step(W, FEATS, g["committed"], g["cap"], NOISE, swa=g["swa"],
                                     lm_head=lm if g["lm"] else None)
             assert relative_error(got, want) < (1e-4 if g["cache_type"] == "f32" else 5e-3), g
@@ -187,7 +200,8 @@ def construct(fz: FuzzRun) -> None:
             what, kw, words = data.draw(bad)
             args = dict(weights=bw, backend=backend, cap=CAP)
             args.update(kw)
-            cls = data.draw(st.sampled_from([DraftKvCache, OneShotDrafter])) if what not in ("embed_tokens",) else DraftKvCache
+            cls = data.draw(st.sampled_from([DraftKvCache, OneShotDrafter])) \
+                if what not in ("embed_tokens", "lm_head_screen") else DraftKvCache
             if cls is OneShotDrafter and what == "lm_head" and kw["lm_head"] is wrong_tensor:
                 cls = DraftKvCache  # the one-shot graph takes a Tensor head as given
             fz.expect_error(lambda: cls(**args), words, f"{cls.__name__}({what}={short(kw)})")
