@@ -7,6 +7,7 @@ decoding of the same prompt in the same run, the acceptance histogram and tokens
     python examples/llama_cpp_spec.py --drafter random        # random drafter weights (nothing accepted)
     python examples/llama_cpp_spec.py --drafter oracle        # the target's own continuation as drafts
     python examples/llama_cpp_spec.py --hybrid --p-min 0.5    # n-gram drafts when the context repeats; cut unsure drafts
+    python examples/llama_cpp_spec.py --lm-head-screen        # the target's head kept f32, exact drafts at a q8_0 head's cost
     python examples/llama_cpp_spec.py --drafter CKPT_DIR      # a DFlash checkpoint (dflash format, or a dflash .gguf)
     python examples/llama_cpp_spec.py --json out.json --max-tokens 128 --temperature 0.8
 
