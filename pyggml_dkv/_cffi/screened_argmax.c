@@ -24,7 +24,8 @@
  * Inputs (ggml order): src[0] screen scores f32 [V, Q]; src[1] hidden f32 [H, Q]; src[2] exact
  * matrix [H, V] in host memory; src[3] bounds f32 [2, V + 1]: (Ew_t, Wq_t) per row, then their
  * maxima. Output: i32 [Q], -1 for a column that is not finite, -2 where the op could not
- * allocate its scratch (a few hundred KB). The Python side
+ * allocate the scratch it needs past its stack buffers (thousands of candidates, or a hidden
+ * size over 4096). The Python side
  * (pyggml_dkv/ggml/ops_screen.py) checks every shape and type before building the op.
  */
 
@@ -52,11 +53,16 @@ static float scores_max_scalar(const float * s, int64_t n) {
     return m;
 }
 
-static int64_t scores_at_least_scalar(const float * s, int64_t n, float t, int32_t * out) {
+/* The rows with s >= t, ascending, into out[0 .. cap); returns how many there are (more than cap:
+ * only the first cap were written) */
+static int64_t scores_at_least_scalar(const float * s, int64_t n, float t, int32_t * out, int64_t cap) {
     int64_t k = 0;
     for (int64_t i = 0; i < n; i++) {
         if (s[i] >= t) {
-            out[k++] = (int32_t) i;
+            if (k < cap) {
+                out[k] = (int32_t) i;
+            }
+            k++;
         }
     }
     return k;
@@ -81,22 +87,20 @@ static float scores_max_avx2(const float * s, int64_t n) {
 }
 
 __attribute__((target("avx2")))
-static int64_t scores_at_least_avx2(const float * s, int64_t n, float t, int32_t * out) {
+static int64_t scores_at_least_avx2(const float * s, int64_t n, float t, int32_t * out, int64_t cap) {
     const __m256 tv = _mm256_set1_ps(t);
     int64_t k = 0, i = 0;
     for (; i + 8 <= n; i += 8) {
         unsigned mask = (unsigned) _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + i), tv, _CMP_GE_OQ));
         while (mask) {
-            out[k++] = (int32_t) (i + __builtin_ctz(mask));
+            if (k < cap) {
+                out[k] = (int32_t) (i + __builtin_ctz(mask));
+            }
+            k++;
             mask &= mask - 1;
         }
     }
-    for (; i < n; i++) {
-        if (s[i] >= t) {
-            out[k++] = (int32_t) i;
-        }
-    }
-    return k;
+    return k + scores_at_least_scalar(s + i, n - i, t, out + (k < cap ? k : cap), k < cap ? cap - k : 0);
 }
 #else
 #define scores_max_avx2 scores_max_scalar
@@ -105,50 +109,27 @@ static int64_t scores_at_least_avx2(const float * s, int64_t n, float t, int32_t
 
 /* ---------------------------------------------------------------- exact products, in double */
 
-static double dot_f32(const float * w, const double * x, int64_t n) {
-    double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        a0 += (double) w[i] * x[i];
-        a1 += (double) w[i + 1] * x[i + 1];
-        a2 += (double) w[i + 2] * x[i + 2];
-        a3 += (double) w[i + 3] * x[i + 3];
+/* sum_i w[i] x[i] over rows of element type T, each read as float by TO_F32 (four chains) */
+#define SCREEN_DOT(name, T, TO_F32)                                              \
+    static double name(const T * w, const double * x, int64_t n) {              \
+        double a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                 \
+        int64_t i = 0;                                                           \
+        for (; i + 4 <= n; i += 4) {                                             \
+            a0 += (double) TO_F32(w[i]) * x[i];                                  \
+            a1 += (double) TO_F32(w[i + 1]) * x[i + 1];                          \
+            a2 += (double) TO_F32(w[i + 2]) * x[i + 2];                          \
+            a3 += (double) TO_F32(w[i + 3]) * x[i + 3];                          \
+        }                                                                        \
+        for (; i < n; i++) {                                                     \
+            a0 += (double) TO_F32(w[i]) * x[i];                                  \
+        }                                                                        \
+        return (a0 + a1) + (a2 + a3);                                            \
     }
-    for (; i < n; i++) {
-        a0 += (double) w[i] * x[i];
-    }
-    return (a0 + a1) + (a2 + a3);
-}
 
-static double dot_bf16(const ggml_bf16_t * w, const double * x, int64_t n) {
-    double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        a0 += (double) ggml_bf16_to_fp32(w[i]) * x[i];
-        a1 += (double) ggml_bf16_to_fp32(w[i + 1]) * x[i + 1];
-        a2 += (double) ggml_bf16_to_fp32(w[i + 2]) * x[i + 2];
-        a3 += (double) ggml_bf16_to_fp32(w[i + 3]) * x[i + 3];
-    }
-    for (; i < n; i++) {
-        a0 += (double) ggml_bf16_to_fp32(w[i]) * x[i];
-    }
-    return (a0 + a1) + (a2 + a3);
-}
-
-static double dot_f16_scalar(const ggml_fp16_t * w, const double * x, int64_t n) {
-    double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        a0 += (double) ggml_fp16_to_fp32(w[i]) * x[i];
-        a1 += (double) ggml_fp16_to_fp32(w[i + 1]) * x[i + 1];
-        a2 += (double) ggml_fp16_to_fp32(w[i + 2]) * x[i + 2];
-        a3 += (double) ggml_fp16_to_fp32(w[i + 3]) * x[i + 3];
-    }
-    for (; i < n; i++) {
-        a0 += (double) ggml_fp16_to_fp32(w[i]) * x[i];
-    }
-    return (a0 + a1) + (a2 + a3);
-}
+#define SCREEN_F32(v) (v)
+SCREEN_DOT(dot_f32, float, SCREEN_F32)
+SCREEN_DOT(dot_bf16, ggml_bf16_t, ggml_bf16_to_fp32)
+SCREEN_DOT(dot_f16_scalar, ggml_fp16_t, ggml_fp16_to_fp32)
 
 #if SCREEN_X86
 __attribute__((target("avx2,fma,f16c")))
@@ -214,8 +195,42 @@ static double activation_error(const float * x, int64_t n) {
 
 /* ---------------------------------------------------------------- the op */
 
-static int32_t screened_argmax_column(const struct ggml_tensor * dst, int64_t col, int32_t * cand, double * xd,
-                                      struct cpu_caps caps) {
+/* Where a thread keeps a column's candidate rows: a buffer on its stack, which holds them in
+ * practice (tens per column), and one of V rows on the heap, allocated only when they do not fit
+ * (the all-candidates cases); no allocation on a normal step. */
+#define SCREEN_STACK_CANDIDATES 2048
+#define SCREEN_STACK_HIDDEN     4096
+
+struct candidates {
+    int32_t * stack;  /* SCREEN_STACK_CANDIDATES entries */
+    int32_t * heap;   /* V entries, or NULL until needed */
+    int64_t   V;
+};
+
+/* a buffer of at least n (<= V) entries, NULL when the heap one cannot be allocated */
+static int32_t * candidates_room(struct candidates * c, int64_t n) {
+    if (n <= SCREEN_STACK_CANDIDATES) {
+        return c->stack;
+    }
+    if (c->heap == NULL) {
+        c->heap = (int32_t *) malloc((size_t) c->V * sizeof(int32_t));
+    }
+    return c->heap;
+}
+
+static int32_t * all_rows(struct candidates * c, int64_t * n_cand) {
+    int32_t * cand = candidates_room(c, c->V);
+    if (cand != NULL) {
+        for (int64_t t = 0; t < c->V; t++) {
+            cand[t] = (int32_t) t;
+        }
+    }
+    *n_cand = c->V;
+    return cand;
+}
+
+static int32_t screened_argmax_column(const struct ggml_tensor * dst, int64_t col, struct candidates * room,
+                                      double * xd, struct cpu_caps caps) {
     const struct ggml_tensor * screen = dst->src[0];
     const struct ggml_tensor * hidden = dst->src[1];
     const struct ggml_tensor * exact = dst->src[2];
@@ -237,33 +252,33 @@ static int32_t screened_argmax_column(const struct ggml_tensor * dst, int64_t co
     }
     const double xn = sqrt(xn2) * (1.0 + 1e-12);
     const double ex = activation_error(x, H);
+    /* B_t = a Ew_t + b Wq_t */
+    const double acc = 2.0 * (double) (H / SCREEN_BLOCK + 2) * 0x1p-24;
+    const double a = xn, b = ex + acc * (xn + ex);
+    const double s_max = ex < 0.0 ? NAN : caps.avx2 ? scores_max_avx2(s, V) : scores_max_scalar(s, V);
 
+    int32_t * cand;
     int64_t n_cand;
-    if (ex < 0.0) {  /* no screen: every row is a candidate */
-        n_cand = V;
-        for (int64_t t = 0; t < V; t++) {
-            cand[t] = (int32_t) t;
-        }
+    if (!isfinite(s_max)) {  /* no screen (a block scale past f16, or scores inf): every row is a candidate */
+        cand = all_rows(room, &n_cand);
     } else {
-        /* B_t = a Ew_t + b Wq_t */
-        const double acc = 2.0 * (double) (H / SCREEN_BLOCK + 2) * 0x1p-24;
-        const double a = xn, b = ex + acc * (xn + ex);
+        /* loose pass with the largest bound: the row attaining L has s_t >= max(s) - 2 b_max; the f32
+           threshold rounded down, so no row at or above the double one is missed */
         const double b_max = a * bounds[2 * V] + b * bounds[2 * V + 1];
-        /* loose pass with the largest bound: the row attaining L has s_t >= max(s) - 2 b_max */
-        const double s_max = caps.avx2 ? scores_max_avx2(s, V) : scores_max_scalar(s, V);
-        if (!isfinite(s_max)) {
-            n_cand = V;
-            for (int64_t t = 0; t < V; t++) {
-                cand[t] = (int32_t) t;
+        float t0 = (float) (s_max - 2.0 * b_max);
+        if ((double) t0 > s_max - 2.0 * b_max) {
+            t0 = nextafterf(t0, -INFINITY);
+        }
+        cand = room->stack;
+        n_cand = caps.avx2 ? scores_at_least_avx2(s, V, t0, cand, SCREEN_STACK_CANDIDATES)
+                           : scores_at_least_scalar(s, V, t0, cand, SCREEN_STACK_CANDIDATES);
+        if (n_cand > SCREEN_STACK_CANDIDATES) {  /* did not fit: again, into the heap buffer */
+            cand = candidates_room(room, n_cand);
+            if (cand != NULL) {
+                scores_at_least_scalar(s, V, t0, cand, n_cand);
             }
-        } else {
-            /* the f32 threshold rounded down, so no row at or above the double one is missed */
-            float t0 = (float) (s_max - 2.0 * b_max);
-            if ((double) t0 > s_max - 2.0 * b_max) {
-                t0 = nextafterf(t0, -INFINITY);
-            }
-            n_cand = caps.avx2 ? scores_at_least_avx2(s, V, t0, cand) : scores_at_least_scalar(s, V, t0, cand);
-            /* tight pass with each row's own bound */
+        }
+        if (cand != NULL) {  /* tight pass with each row's own bound */
             double lower = -INFINITY;
             for (int64_t k = 0; k < n_cand; k++) {
                 const int32_t t = cand[k];
@@ -279,6 +294,9 @@ static int32_t screened_argmax_column(const struct ggml_tensor * dst, int64_t co
             }
             n_cand = kept;
         }
+    }
+    if (cand == NULL) {
+        return -2;
     }
 
     int32_t best = -1;
@@ -308,12 +326,16 @@ void pyggml_dkv_screened_argmax(struct ggml_tensor * dst, int ith, int nth, void
     if (ith >= Q) {
         return;
     }
-    int32_t * cand = (int32_t *) malloc((size_t) V * sizeof(int32_t));
-    double * xd = (double *) malloc((size_t) H * sizeof(double));
+    int32_t cand_stack[SCREEN_STACK_CANDIDATES];
+    double xd_stack[SCREEN_STACK_HIDDEN];
+    struct candidates room = { cand_stack, NULL, V };
+    double * xd = H <= SCREEN_STACK_HIDDEN ? xd_stack : (double *) malloc((size_t) H * sizeof(double));
     int32_t * out = (int32_t *) dst->data;
     for (int64_t col = ith; col < Q; col += nth) {
-        out[col] = cand && xd ? screened_argmax_column(dst, col, cand, xd, caps) : -2;
+        out[col] = xd != NULL ? screened_argmax_column(dst, col, &room, xd, caps) : -2;
     }
-    free(cand);
-    free(xd);
+    free(room.heap);
+    if (xd != xd_stack) {
+        free(xd);
+    }
 }

@@ -17,17 +17,16 @@ SCREEN_BLOCK = 32  # the screen product quantizes x per 32 values (q8_0's block)
 
 
 def _contiguous_matrix(op: str, name: str, t: "Tensor") -> None:
-    ne, nb = t.ne, t.nb
-    if ne[2] != 1 or ne[3] != 1:
-        fail(op, f"{name} must be a matrix, got ne={ne}")
-    if nb[0] != lib.ggml_type_size(t.type_id) or nb[1] != nb[0] * ne[0]:
+    if t.ne[2] != 1 or t.ne[3] != 1:
+        fail(op, f"{name} must be a matrix, got ne={t.ne}")
+    if not t.is_contiguous:
         fail(op, f"{name} {t.name!r} must be contiguous (packed rows, one after the other)")
 
 
 def _in_host_memory(op: str, name: str, t: "Tensor") -> None:
     """The op reads `t` directly: allocated, in CPU-addressable memory, not repacked."""
     p = t.ptr
-    if p.buffer == ffi.NULL or p.data == ffi.NULL:
+    if not t.is_allocated:
         fail(op, f"{name} {t.name!r} must already be allocated (the op reads it as it is)")
     if not lib.ggml_backend_buffer_is_host(p.buffer):
         fail(op, f"{name} {t.name!r} is not in host memory: the op runs on the CPU backend only")

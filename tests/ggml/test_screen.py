@@ -278,3 +278,28 @@ def test_errors_aligned_against_the_screen(be, rng, repack):
         assert ids[0] == 1
     finally:
         op.close()
+
+
+@pytest.mark.parametrize("case", ["most rows tied", "past q8_0's range", "wide hidden"])
+def test_scratch_past_the_stack_buffers(be, rng, case):
+    """The op keeps a column's candidates (2048) and x (4096 values) on its stack; more go to the
+    heap: thousands of rows within the bound (near-identical rows), every row a candidate (x past
+    q8_0's range) with V > 2048, a hidden size over 4096."""
+    v, h = (64, 4128) if case == "wide hidden" else (3008, 64)
+    base = rng.standard_normal(h).astype(np.float32)
+    rows = np.tile(base, (v, 1)) if case == "most rows tied" else rng.standard_normal((v, h), dtype=np.float32)
+    x = np.abs(rng.standard_normal((2, h), dtype=np.float32))
+    if case == "most rows tied":
+        rows[2900, :] += 1e-3 * np.sign(base)  # one row a little above its identical twins ...
+        rows[2950, :] = rows[2900]  # ... and its twin, later: the first one wins
+        x = np.tile(np.sign(base) * np.abs(x[:1]), (2, 1)).astype(np.float32)
+    elif case == "past q8_0's range":
+        x[:, 5] = 3e7
+    op = ScreenedArgmax(be, rows, 2, "f32")
+    try:
+        ids, _, _ = op(x)
+        np.testing.assert_array_equal(ids, op.exact_argmax(x))
+        if case == "most rows tied":
+            np.testing.assert_array_equal(ids, 2900)
+    finally:
+        op.close()
