@@ -11,10 +11,10 @@ vocab) included and copied to the host.
                the file (output repacked like the drafter's matrices: the VNNI / AMX q8_0 kernels),
                step_tokens(ring, committed, tokens, output="logits")
   ours_ids     the same with output="ids": in-graph argmax, no logits copied (information)
-  ours_head_q8 (a GGUF whose output is not q8_0) the same with the lm_head uploaded as q8_0
+  ours_head_q8 (a GGUF whose output is f32 / f16 / bf16) the same with the lm_head uploaded as q8_0
                (lm_head_dtype="q8_0"; on AMX / VNNI its product takes a third of the f16 one),
                with how far its logits and draft ids are from the file's head
-  ours_ids_screened (a GGUF whose output is not q8_0) output="ids" from the file's head screened
+  ours_ids_screened (a GGUF whose output is f32 / f16 / bf16) output="ids" from the file's head screened
                by a q8_0 copy (lm_head_screen="q8_0": only the tokens the screen cannot rule out
                are multiplied exactly), no logits; its ids must equal ours_ids' (checked, reported)
   llama_fa / llama_nofa  llama.cpp's drafter context (libllama C API in a child process, see
@@ -102,7 +102,8 @@ class Ours:
         """Seconds per step per system and window, and (for a GGUF whose head is not q8_0) how far
         the q8_0 head's logits and draft ids are from the file's head, per window."""
         cfg = self.g.cfg
-        head_q8 = self.g.stored["lm_head"].type_name != "q8_0"
+        # the q8_0-head and screened systems apply to a float head (a quantized one is as cheap already)
+        head_q8 = self.g.stored["lm_head"].type_name in ("f32", "f16", "bf16")
         names = ["ours_logits", "ours_ids"] + (["ours_head_q8", "ours_ids_screened"] if head_q8 else [])
         out: dict[str, dict[int, list[float]]] = {name: {} for name in names}
         agreement: dict[int, dict[str, float]] = {}

@@ -46,6 +46,7 @@ struct ggml_tensor {
     size_t view_offs;
     void * data;
     char name[...];
+    void * extra;  /* set by a repacking buffer (CPU_REPACK, AMX): the tensor's kernel, NULL if none */
     ...;
 };
 

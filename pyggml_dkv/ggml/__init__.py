@@ -33,6 +33,7 @@ from .capabilities import (
     BF16_ATTENTION_PATCH,
     VNNI_PATCH,
     GGML_PREC_BF16,
+    GGML_REPACK_TYPES,
     REPACKING_BUFFER_TYPES,
     BackendInfo,
     amx_available,
@@ -44,8 +45,10 @@ from .capabilities import (
     built_with_patches,
     cpu_extra_buffer_types,
     cpu_features,
+    cpu_repack_fits,
     cuda_graph_stats,
     default_n_threads,
+    ggml_repack_fits,
     list_devices,
     version,
     vnni_available,
@@ -60,10 +63,10 @@ from .tensor import Tensor
 from .types import MAX_DIMS, TYPE_NAMES, TYPES, dequantize, ggml_type, quantize
 
 __all__ = [
-    "AMX_PATCH", "AMX_TYPES", "BF16_ATTENTION_PATCH", "GGML_PREC_BF16", "MAX_DIMS", "REPACKING_BUFFER_TYPES",
+    "AMX_PATCH", "AMX_TYPES", "BF16_ATTENTION_PATCH", "GGML_PREC_BF16", "GGML_REPACK_TYPES", "MAX_DIMS", "REPACKING_BUFFER_TYPES",
     "TYPES", "TYPE_NAMES", "Backend", "BackendInfo", "BackendUnavailableError", "RemoteBackendError", "Buffer", "Context",
     "GGMLError", "Gallocr", "Graph", "Tensor", "amx_available", "amx_fits", "available_backends",
-    "bf16_attention_kernel", "bf16_attention_supported", "built_backends", "cpu_features", "vnni_available", "vnni_fits",
+    "bf16_attention_kernel", "bf16_attention_supported", "built_backends", "cpu_features", "cpu_repack_fits", "ggml_repack_fits", "vnni_available", "vnni_fits",
     "BF16_ATTENTION_AVX512_PATCH", "VNNI_PATCH", "built_with_patches", "cpu_extra_buffer_types",
     "cuda_graph_stats", "default_n_threads", "dequantize", "ffi", "ggml_type", "lib", "list_devices",
     "live_objects", "quantize", "version",

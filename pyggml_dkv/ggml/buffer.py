@@ -9,7 +9,7 @@ from typing import Any
 from . import liveness
 from ._lowlevel import ffi, lib
 from .backend import Backend
-from .capabilities import AMX_TYPES, REPACKING_BUFFER_TYPES, amx_fits, vnni_available, vnni_fits
+from .capabilities import AMX_TYPES, REPACKING_BUFFER_TYPES, amx_fits, cpu_repack_fits, cpu_repack_takes
 from .context import Context
 from .errors import GGMLError, RemoteBackendError
 from .owned import Owned
@@ -62,16 +62,15 @@ class Buffer(Owned):
                 if not t.is_allocated and not amx_fits(t.type, t.ne):
                     raise ValueError(f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the AMX buffer: "
                                      f"it takes 2-D {'/'.join(AMX_TYPES)} matrices whose two sizes are multiples of 32")
-        elif name == "CPU_REPACK" and vnni_available():
-            # only our VNNI q8_0 layout: ggml's other CPU_REPACK layouts are untested here, and a
-            # tensor no layout takes would crash ggml on upload
+        elif name == "CPU_REPACK":
+            # only the layouts we test (cpu_repack_fits): a tensor no layout takes would crash ggml
+            # on upload, and ggml's other layouts are untested here
             for t in ctx.tensors():
-                if not t.is_allocated and not vnni_fits(t.type, t.ne):
-                    raise ValueError(f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the CPU_REPACK buffer: "
-                                     "it takes 2-D q8_0 matrices of whole 32-value blocks and 16-row groups")
+                if not t.is_allocated and not cpu_repack_fits(t.type, t.ne):
+                    raise ValueError(f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the CPU_REPACK buffer "
+                                     f"on this CPU: it takes {cpu_repack_takes()}")
         elif name in REPACKING_BUFFER_TYPES:
-            raise GGMLError(f"the {name} buffer type is not supported by pyggml_dkv (only AMX, and CPU_REPACK "
-                            "for q8_0 with vendor/patches/0010 on AVX512-VNNI, are)")
+            raise GGMLError(f"the {name} buffer type is not supported by pyggml_dkv (only AMX and CPU_REPACK are)")
         handle = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx.handle, buffer_type)
         return cls(handle, backend, ctx)
 

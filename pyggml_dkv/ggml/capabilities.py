@@ -200,6 +200,41 @@ def vnni_available() -> bool:
             and "CPU_REPACK" in cpu_extra_buffer_types())
 
 
+# ggml's own kernels in the CPU_REPACK buffer on x86 (src/ggml-cpu/repack.cpp,
+# ggml_repack_get_optimal_repack_type): 4-bit weights interleaved 8 output rows at a time, multiplied
+# with the activations quantized to q8_0 / q8_K (AVX2, AVX-512 where built for it). llama.cpp puts
+# these types there by default; without them a q4 drafter ran at less than half llama.cpp's speed.
+# Type -> the CPU feature ggml asks for. (ggml has such kernels for iq4_nl, mxfp4 and q2_K too; no
+# drafter format of ours produces them, so they are not vouched for here.)
+GGML_REPACK_TYPES = {"q4_0": "avx2", "q4_k": "avx2"}
+
+
+def ggml_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
+    """Does ggml's CPU_REPACK buffer have one of its own layouts (GGML_REPACK_TYPES) for this tensor on
+    this CPU: a 2-D matrix of a listed type, whole 8-row groups, the CPU feature present? Any tensor
+    placed there without a layout would crash ggml on upload."""
+    ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
+    feature = GGML_REPACK_TYPES.get(type_name)
+    return (feature is not None and ne4[1] % 8 == 0 and ne4[2:] == (1, 1)
+            and bool(getattr(lib, f"ggml_cpu_has_{feature}")()) and "CPU_REPACK" in cpu_extra_buffer_types())
+
+
+def cpu_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
+    """Will the CPU_REPACK buffer lay this tensor out for a kernel here: q8_0 for our VNNI kernel
+    (vnni_fits, patch 0010), q4_0 / q4_K for ggml's own (ggml_repack_fits)?"""
+    if type_name == "q8_0":
+        return vnni_fits(type_name, ne) and vnni_available()
+    return ggml_repack_fits(type_name, ne)
+
+
+def cpu_repack_takes() -> str:
+    """What the CPU_REPACK buffer takes on this CPU, in words (for error messages)."""
+    kinds = (["q8_0 with whole 32-value blocks and 16-row groups (VNNI)"] if vnni_available() else [])
+    kinds += [f"{t} with whole 8-row groups" for t, feature in GGML_REPACK_TYPES.items()
+              if getattr(lib, f"ggml_cpu_has_{feature}")()]
+    return "2-D matrices of " + (", or ".join(kinds) if kinds else "no type")
+
+
 def cpu_features() -> dict[str, bool]:
     """The SIMD features ggml's CPU backend was compiled for (GGML_NATIVE: those of the build machine),
     and whether AMX is usable now (amx_available: also honours PYGGML_DKV_NO_AMX)."""

@@ -89,7 +89,7 @@ class Graph:
                 ok = (node.op == "MUL_MAT" and i == 0 and src.view_src == ffi.NULL and backend.is_cpu
                       and backend.supports(node))
                 if not ok:
-                    raise GGMLError(f"{node.op} node {node.name!r} reads {name!r}, which is stored repacked for AMX or VNNI: "
+                    raise GGMLError(f"{node.op} node {node.name!r} reads {name!r}, which is stored repacked (AMX or CPU_REPACK buffer): "
                                     "only a matrix product (mul_mat) of the whole tensor by contiguous f32 rows on the "
                                     "CPU backend can use it; upload that tensor with repack=False")
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .config import DraftConfig
-from ..ggml import (Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, ggml_type, lib,
-                    vnni_available, vnni_fits)
+from ..ggml import (Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, cpu_repack_fits,
+                    ggml_type, lib, vnni_available)
 from .tensor_names import is_norm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,11 +46,11 @@ def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: i
 
 def repack_buffer(backend: Backend, dtype: str, out_features: int, in_features: int) -> str | None:
     """The repacking buffer type an (out, in) `dtype` matrix that is only ever multiplied goes to:
-    "AMX" (ggml's AMX kernels), else "CPU_REPACK" (q8_0 on AVX512-VNNI, vendor/patches/0010),
-    else None (an ordinary buffer)."""
+    "AMX" (ggml's AMX kernels), else "CPU_REPACK" (q8_0 on AVX512-VNNI, vendor/patches/0010; q4_0 /
+    q4_K on AVX2, ggml's own kernels: capabilities.cpu_repack_fits), else None (an ordinary buffer)."""
     if amx_eligible(backend, dtype, out_features, in_features):
         return "AMX"
-    if backend.is_cpu and vnni_fits(dtype, (in_features, out_features)) and vnni_available():
+    if backend.is_cpu and cpu_repack_fits(dtype, (in_features, out_features)):
         return "CPU_REPACK"
     return None
 
@@ -67,8 +67,10 @@ class BackendWeights:
     With `repack` (default) and q8_0 weights on a CPU with AMX, the matrices go to ggml's AMX
     buffer, which lays them out for its int8 tile kernels as they are uploaded; on a CPU without
     AMX but with AVX512-VNNI, to the CPU_REPACK buffer for the VNNI kernel of vendor/patches/0010
-    (both much faster than the generic q8_0 path: benchmarks/README.md). Those tensors cannot be
-    read back (`Tensor.numpy()` raises); `host` still has the values.
+    (both much faster than the generic q8_0 path: benchmarks/README.md). With `dtype="native"`, a
+    file's q4_0 / q4_K matrices go to CPU_REPACK on CPUs with AVX2, for ggml's interleaved kernels
+    (as llama.cpp runs them). Those tensors cannot be read back (`Tensor.numpy()` raises); `host`
+    still has the values.
     """
 
     def __init__(self, weights: "DraftWeights", backend: Backend, dtype: str = "auto", repack: bool = True) -> None:
@@ -92,28 +94,28 @@ class BackendWeights:
         self.backend = backend
         self.dtype = dtype
         self.repack = repack
-        # every weight matrix is only ever the matrix of a mul_mat, so all that fit may be repacked
+        # every weight matrix is only ever the matrix of a mul_mat, so all that fit may be repacked,
+        # each into the repacking buffer its type and shape go to (a file may mix types: q4_K matrices
+        # in CPU_REPACK beside q8_0 ones in AMX); the others stay in the ordinary buffer
         types = {n: self._matrix_type(weights, n, dtype) for n, a in weights.items() if a.ndim == 2 and not is_norm(n)}
-        # one repacking buffer per drafter: AMX if any matrix fits it (those that do not stay in the
-        # ordinary buffer), else CPU_REPACK (VNNI) if any fits that
         kinds = {n: repack_buffer(backend, types[n], *weights[n].shape) for n in types} if repack else {}
-        found = set(kinds.values())
-        self.repack_kind = "AMX" if "AMX" in found else "CPU_REPACK" if "CPU_REPACK" in found else None
-        repacked = {n for n, k in kinds.items() if k is not None and k == self.repack_kind}
-        self.ctx = Context(n_tensors=len(weights) - len(repacked) + 1)
-        self.repacked_ctx = Context(n_tensors=len(repacked) + 1)
+        kinds = {n: k for n, k in kinds.items() if k is not None}
+        self.repack_kinds: tuple[str, ...] = tuple(k for k in ("AMX", "CPU_REPACK") if k in kinds.values())
+        # the first of them, for reports ("AMX" wherever any matrix runs on AMX tiles)
+        self.repack_kind: str | None = self.repack_kinds[0] if self.repack_kinds else None
+        self.ctx = Context(n_tensors=len(weights) - len(kinds) + 1)
+        self.repacked_ctxs = {k: Context(n_tensors=sum(v == k for v in kinds.values()) + 1) for k in self.repack_kinds}
         self.tensors: dict[str, Tensor] = {}
         for name, arr in weights.items():
             ty = types.get(name, "f32")
-            ctx = self.repacked_ctx if name in repacked else self.ctx
+            ctx = self.repacked_ctxs[kinds[name]] if name in kinds else self.ctx
             # ggml order is the reverse of numpy's: (out, in) -> [in, out]
             self.tensors[name] = ctx.new_tensor(ty, *reversed(arr.shape), name=name[-63:])
         self.buffers: list[Buffer] = []
-        if len(repacked) < len(weights):
+        if len(kinds) < len(weights):
             self.buffers.append(Buffer.alloc_ctx_tensors(self.ctx, backend))
-        if repacked:
-            self.buffers.append(Buffer.alloc_ctx_tensors_from_buft(self.repacked_ctx, cpu_extra_buffer_types()[self.repack_kind],
-                                                                   backend))
+        for kind, ctx in self.repacked_ctxs.items():
+            self.buffers.append(Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], backend))
         for buf in self.buffers:
             buf.set_usage_weights()
         for name, arr in weights.items():
@@ -122,9 +124,9 @@ class BackendWeights:
                 self.tensors[name].set_bytes(stored.raw)  # the file's own blocks, byte for byte
             else:
                 self.tensors[name].set(arr)
-        self.n_repacked = len(repacked)
+        self.n_repacked = len(kinds)
         log.debug("uploaded %d tensors (%.1f MiB, %s, %d repacked for %s) to %s",
-                  len(weights), self.nbytes / 2**20, dtype, self.n_repacked, self.repack_kind, backend.spec)
+                  len(weights), self.nbytes / 2**20, dtype, self.n_repacked, "/".join(self.repack_kinds) or "-", backend.spec)
 
     @staticmethod
     def _matrix_type(weights: DraftWeights, name: str, dtype: str) -> str:
@@ -151,7 +153,8 @@ class BackendWeights:
         for buf in self.buffers:
             buf.close()
         self.ctx.close()
-        self.repacked_ctx.close()
+        for ctx in self.repacked_ctxs.values():
+            ctx.close()
 
     def __enter__(self) -> "BackendWeights":
         return self
@@ -165,7 +168,7 @@ def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,
     """Upload one (out, in) matrix (e.g. an lm_head or token embedding) into its own buffer.
 
     `matmul_only`: the matrix is only ever multiplied (an lm_head, not an embedding table read
-    with get_rows), so it may be repacked (AMX, VNNI) like BackendWeights' matrices.
+    with get_rows), so it may be repacked (AMX, CPU_REPACK) like BackendWeights' matrices.
     """
     arr = np.asarray(array)
     if arr.ndim != 2:

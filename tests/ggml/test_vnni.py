@@ -14,7 +14,7 @@ from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing
 from pyggml_dkv import reference as R
 from pyggml_dkv.model.backend_weights import BackendWeights, default_weight_dtype, repack_buffer, upload_matrix
 from pyggml_dkv.ggml import (Backend, Buffer, Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types,
-                             cpu_features, vnni_available, vnni_fits)
+                             cpu_features, cpu_repack_fits, vnni_available, vnni_fits)
 from pyggml_dkv.common.numeric import relative_error
 from tests.ggml.helpers import mul_mat_rows
 
@@ -111,10 +111,10 @@ def test_vnni_weights_step_like_generic_q8_0_and_the_reference(cpu):
 
 @needs_vnni
 @pytest.mark.parametrize("ty, ne", [("q8_0", (64, 40)), ("q8_0", (32, 24)), ("q8_0", (64, 32, 2)), ("f16", (32, 32)),
-                                    ("q4_0", (64, 64))])
+                                    ("q4_0", (64, 12))])
 def test_cpu_repack_buffer_refuses_tensors_the_kernel_cannot_hold(cpu, ty, ne):
     """Anything else would crash ggml on upload (no layout) or compute on a layout nobody tested."""
-    assert not vnni_fits(ty, ne)
+    assert not cpu_repack_fits(ty, ne)
     with Context(n_tensors=1) as ctx:
         ctx.new_tensor(ty, *ne, name="w")
         with pytest.raises(ValueError, match="CPU_REPACK buffer"):
@@ -133,7 +133,7 @@ def test_vnni_repacked_tensor_is_write_whole_and_mul_mat_only(cpu):
         rows = ids_ctx.new_tensor("i32", 2)
         graph = Graph(g, 32)
         graph.expand(g.get_rows(table, rows))
-        with Gallocr(cpu) as galloc, pytest.raises(GGMLError, match="emb.*repacked for AMX or VNNI"):
+        with Gallocr(cpu) as galloc, pytest.raises(GGMLError, match="emb.*repacked .AMX or CPU_REPACK buffer."):
             galloc.alloc_graph(graph)
 
 
