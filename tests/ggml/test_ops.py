@@ -59,6 +59,29 @@ def test_mul_mat_f16_weights_few_columns(rng, m, k, n):
             np.testing.assert_array_equal(got, results[0])
 
 
+@pytest.mark.parametrize("m, k, n", [(5, 64, 3), (4, 1024, 16), (70, 96, 34), (33, 64, 64), (9, 32, 1), (6, 64, 65),
+                                     (7, 48, 8), (13, 5120, 9)])
+def test_mul_mat_bf16_weights_few_columns(rng, m, k, n):
+    """bf16 weights x up to 64 f32 columns: the narrow AVX512-BF16 kernel (vendor/patches/0019) rounds
+    the columns to bf16 as ggml does (nearest even) and sums exact bf16 products in f32, so against
+    both operands rounded to bf16 only f32 rounding remains, as on ggml's own path (n > 64, or rows
+    not whole 32-value vectors). Every output is one thread's: the thread count must not change a bit."""
+    w = rng.standard_normal((m, k)).astype(np.float32)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    w16, x16 = (bf16_bits_to_fp32(fp32_to_bf16_bits(a)).astype(np.float64) for a in (w, x))
+    want = x16 @ w16.T
+    narrow = n <= 64 and k % 32 == 0 and bool(lib.ggml_cpu_has_avx512_bf16())
+    results = []
+    for n_threads in (1, 2, 3):
+        with Backend("cpu", n_threads=n_threads) as backend:
+            results.append(compute(backend, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b)))
+    for got in results:
+        assert got.shape == (n, m)
+        assert relative_error(got, want) < 2e-6, relative_error(got, want)
+        if narrow:
+            np.testing.assert_array_equal(got, results[0])
+
+
 def test_mul_mat_broadcasts_batches(be, rng):
     a = rng.standard_normal((2, 4, 16)).astype(np.float32)  # ggml [16, 4, 2]
     b = rng.standard_normal((6, 3, 16)).astype(np.float32)  # ggml [16, 3, 6]: b batch i reads a batch i // 3
