@@ -15,6 +15,8 @@ Systems, each timed for ONE draft step at a context window of W positions:
   kv_q8_attbf16  the same with attention="bf16": attention's two products with bf16 inputs on AMX
              tiles (vendor/patches/0009), else on AVX512-BF16 (0011); PyTorch-bf16 precision; left
              out when ggml lacks the patch
+  kv_bf16    DraftKvCache, bf16 weights (products on AVX512-BF16 vdpbf16ps with the rows rounded to bf16,
+             vendor/patches/0019, where the CPU has it), f16 K/V cache
   kv_q8_generic  (--generic-q8) kv_q8 with its q8_0 weights in the ordinary buffer: ggml's generic
              q8_0 kernels, the path of a CPU without AMX before patch 0010 (not in the targets)
   raw        kv_f16's step graph alone: cache.gf.compute(backend) after begin_step + inp_embed upload
@@ -69,7 +71,8 @@ Speed targets are printed with PASS/MISS:
   vs PyTorch    min(torch_fp32, torch_bf16) / min(kv_*) >= 2 at every window (small); the same with
                 f32 attention only (kv_f16, kv_q8) is printed as information
   host overhead kv_f16 / raw <= 1.10 at every window        (small)
-  roofline      the best cache (kv_f16 vs roofline(f16), kv_q8 vs roofline(q8_0), kv_q8_attbf16 vs its own with bf16 attention) <= 1.5 x its roofline
+  roofline      the best cache (kv_f16 vs roofline(f16), kv_q8 vs roofline(q8_0), kv_q8_attbf16 vs its own with bf16 attention,
+                kv_bf16 vs roofline(bf16)) <= 1.5 x its roofline
                 at every window (small, qwen3-8b); each weight type's own ratio is shown too
 """
 

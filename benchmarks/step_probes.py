@@ -131,6 +131,11 @@ def kernels_used(kind: str, repack_kind: str | None, attention: str) -> dict:
             mm = ("f16 weights x f32 rows, AVX-512 FMA (patch 0004)", "vfmadd231ps")
         else:
             mm = ("ggml f16 (llamafile tinyBLAS)", None)
+    elif kind == "bf16":
+        if feats["avx512_bf16"] and "0019-cpu-mul-mat-bf16-narrow.patch" in patches:
+            mm = ("bf16 weights x bf16-rounded rows, AVX512-BF16 vdpbf16ps (patch 0019)", "vdpbf16ps")
+        else:
+            mm = ("ggml bf16 (llamafile tinyBLAS / vec_dot)", None)
     elif repack_kind == "AMX":
         mm = ("q8_0 on AMX int8 tiles (patches 0002, 0007)", None)
     elif repack_kind == "CPU_REPACK":

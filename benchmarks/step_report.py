@@ -42,7 +42,10 @@ def analyse(result: dict, machine: dict) -> None:
     for wres in result["windows"]:
         W = wres["window"]
         roof = {}
-        for key, dt, sysname in (("f16", "f16", "kv_f16"), ("q8_0", "q8_0", "kv_q8"), ("q8_0_attbf16", "q8_0", "kv_q8_attbf16")):
+        for key, dt, sysname in (("f16", "f16", "kv_f16"), ("q8_0", "q8_0", "kv_q8"), ("q8_0_attbf16", "q8_0", "kv_q8_attbf16"),
+                                 ("bf16", "bf16", "kv_bf16")):
+            if dt not in result["weight_bytes"]:  # a result recorded before the system existed
+                continue
             cost = cost_model(cfg, W, result["n_new"], result["weight_bytes"][dt], result["a_step"])
             kern = result.get("kernels", {}).get(sysname, {})
             r = roofline_s(cost, machine["bandwidth_gbs"], machine["matmul_gflops"], machine.get("peaks_gmacs"),
@@ -56,6 +59,7 @@ def analyse(result: dict, machine: dict) -> None:
         kv_best_f32 = min([x for x in (med(wres, "kv_f16"), med(wres, "kv_q8")) if x is not None], default=None)
         torch_best = min([x for x in (med(wres, "torch_fp32"), med(wres, "torch_bf16")) if x is not None], default=None)
         attbf16_over_roof = ratio(med(wres, "kv_q8_attbf16"), roof["q8_0_attbf16"]["ms"])
+        bf16_over_roof = roof["bf16"]["measured_over_roofline"] if "bf16" in roof else None
         wres["ratios"] = {
             "step_over_raw": ratio(med(wres, "kv_f16"), med(wres, "raw")),
             "oneshot_over_kv_f16": ratio(med(wres, "oneshot"), med(wres, "kv_f16")),
@@ -64,8 +68,9 @@ def analyse(result: dict, machine: dict) -> None:
             "kv_f16_over_roofline": roof["f16"]["measured_over_roofline"],
             "kv_q8_over_roofline": roof["q8_0"]["measured_over_roofline"],
             "kv_q8_attbf16_over_roofline": attbf16_over_roof,
+            "kv_bf16_over_roofline": bf16_over_roof,
             "kv_best_over_roofline": min([x for x in (roof["f16"]["measured_over_roofline"],
-                                                      roof["q8_0"]["measured_over_roofline"], attbf16_over_roof)
+                                                      roof["q8_0"]["measured_over_roofline"], attbf16_over_roof, bf16_over_roof)
                                           if x is not None], default=None),
         }
 
@@ -99,9 +104,10 @@ def targets(result: dict) -> list[dict]:
     vals = [w["ratios"]["kv_best_over_roofline"] for w in result["windows"]]
     if vals and all(v is not None for v in vals):
         add("roofline", max(vals), "<=", ROOF_MAX, name in ("small", "qwen3-8b"),
-            "max over windows of min(kv_f16 / roofline(f16), kv_q8 / roofline(q8_0), kv_q8_attbf16 / roofline(q8_0, bf16 attention))")
-    for dt, sysname in (("f16", "kv_f16"), ("q8_0", "kv_q8")):
-        vals = [w["ratios"][f"{sysname}_over_roofline"] for w in result["windows"]]
+            "max over windows of min(kv_f16 / roofline(f16), kv_q8 / roofline(q8_0), kv_q8_attbf16 / roofline(q8_0, bf16 "
+            "attention), kv_bf16 / roofline(bf16))")
+    for dt, sysname in (("f16", "kv_f16"), ("q8_0", "kv_q8"), ("bf16", "kv_bf16")):
+        vals = [w["ratios"].get(f"{sysname}_over_roofline") for w in result["windows"]]
         if vals and all(v is not None for v in vals):
             add(f"roofline {dt}", max(vals), "<=", ROOF_MAX, False, f"max over windows of {sysname} / roofline({dt}) (info)")
     return out
@@ -141,7 +147,7 @@ def print_report(results: list[dict], machine: dict, args: argparse.Namespace) -
           f"compute rates from: {', '.join(srcs)}; bound m=memory c=compute)")
         head2 = (f"{'window':>6} | {'step/raw':>8} | {'oneshot/kv':>10} | {'torch/kv':>8} | {'roof f16 ms':>12} | "
                  f"{'kv_f16/roof':>11} | {'roof q8 ms':>12} | {'kv_q8/roof':>10} | {'roof q8b ms':>12} | {'q8_attbf16/roof':>15} | "
-                 f"{'GFLOP':>6} | {'MB read':>8} | err vs torch32")
+                 f"{'roof bf16 ms':>12} | {'kv_bf16/roof':>12} | {'GFLOP':>6} | {'MB read':>8} | err vs torch32")
         p(head2)
         p("-" * len(head2))
         for w in r["windows"]:
@@ -151,7 +157,9 @@ def print_report(results: list[dict], machine: dict, args: argparse.Namespace) -
               f"{fmt(ra['torch_best_over_kv_best']):>8} | {rf['f16']['ms']:>10.2f} {rf['f16']['bound'][0]} | "
               f"{fmt(ra['kv_f16_over_roofline']):>11} | {rf['q8_0']['ms']:>10.2f} {rf['q8_0']['bound'][0]} | "
               f"{fmt(ra['kv_q8_over_roofline']):>10} | {rf['q8_0_attbf16']['ms']:>10.2f} {rf['q8_0_attbf16']['bound'][0]} | "
-              f"{fmt(ra['kv_q8_attbf16_over_roofline']):>15} | {rf['f16']['flops'] / 1e9:>6.2f} | {rf['f16']['bytes'] / 1e6:>8.1f} | {errs}")
+              f"{fmt(ra['kv_q8_attbf16_over_roofline']):>15} | "
+              + (f"{rf['bf16']['ms']:>10.2f} {rf['bf16']['bound'][0]} | " if "bf16" in rf else f"{'-':>12} | ")
+              + f"{fmt(ra.get('kv_bf16_over_roofline')):>12} | {rf['f16']['flops'] / 1e9:>6.2f} | {rf['f16']['bytes'] / 1e6:>8.1f} | {errs}")
         if any("profile" in w for w in r["windows"]):
             pth = next(pr["threads"] for w in r["windows"] for pr in w.get("profile", {}).values())
             p(f"\nper-op time of the step graph, {pth} thread(s) (each node computed alone, min over repetitions, "
@@ -189,7 +197,7 @@ def plot(results: list[dict], path: str) -> None:
         log("matplotlib is not importable (pip install matplotlib): no plot written")
         return
     fig, ax = plt.subplots(figsize=(11, 6))
-    colors = {"kv_f16": "C0", "kv_q8": "C1", "kv_q8_attbf16": "C5", "raw": "C7", "oneshot": "C3", "torch_fp32": "C2", "torch_bf16": "C4",
+    colors = {"kv_f16": "C0", "kv_q8": "C1", "kv_q8_attbf16": "C5", "kv_bf16": "C6", "kv_q8_generic": "C8", "raw": "C7", "oneshot": "C3", "torch_fp32": "C2", "torch_bf16": "C4",
               "roofline f16": "k"}
     markers = ["o", "s", "^", "D"]
     styles = ["-", "--", "-.", (0, (5, 1, 1, 1))]

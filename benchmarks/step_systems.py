@@ -91,7 +91,7 @@ class Bench:
         self.windows = [w for w in args.windows if w <= CAP]
         self.reps = args.reps or DEFAULT_REPS[name]
         self.oneshot_reps = min(args.oneshot_reps or DEFAULT_ONESHOT_REPS[name], self.reps)
-        self.weight_bytes = {dt: weight_nbytes(self.cfg, dt) for dt in ("f16", "q8_0")}
+        self.weight_bytes = {dt: weight_nbytes(self.cfg, dt) for dt in ("f16", "q8_0", "bf16")}
 
     # -- setup
     def setup(self) -> None:
@@ -114,8 +114,9 @@ class Bench:
             log(f"[{self.name}] kv_q8_attbf16 left out: ggml was built without vendor/patches/0009")
             self.systems = [s for s in self.systems if s != "kv_q8_attbf16"]
             sys_.discard("kv_q8_attbf16")
-        need = {"f16": bool(sys_ & {"kv_f16", "raw", "oneshot"}), "q8_0": bool(sys_ & {"kv_q8", "kv_q8_attbf16"})}
-        for dtype in ("f16", "q8_0"):
+        need = {"f16": bool(sys_ & {"kv_f16", "raw", "oneshot"}), "q8_0": bool(sys_ & {"kv_q8", "kv_q8_attbf16"}),
+                "bf16": "kv_bf16" in sys_}
+        for dtype in ("f16", "q8_0", "bf16"):
             if need[dtype]:
                 t0 = time.perf_counter()
                 self.bw[dtype] = self.host.to_backend(self.backend, dtype)
@@ -124,6 +125,8 @@ class Bench:
             self.kv["kv_f16"] = KvSystem("kv_f16", self.bw["f16"], self.backend, args.cap_per_window)
         if "kv_q8" in sys_:
             self.kv["kv_q8"] = KvSystem("kv_q8", self.bw["q8_0"], self.backend, args.cap_per_window)
+        if "kv_bf16" in sys_:
+            self.kv["kv_bf16"] = KvSystem("kv_bf16", self.bw["bf16"], self.backend, args.cap_per_window)
         if "kv_q8_generic" in sys_:
             self.bw["q8_0_generic"] = self.host.to_backend(self.backend, "q8_0", repack=False)
             self.kv["kv_q8_generic"] = KvSystem("kv_q8_generic", self.bw["q8_0_generic"], self.backend, args.cap_per_window)
@@ -134,7 +137,7 @@ class Bench:
         self.kernels = {}
         if self.backend.is_cpu:
             for sysname, bw_key, dt, att in (("kv_f16", "f16", "f16", "f32"), ("kv_q8", "q8_0", "q8_0", "f32"),
-                                             ("kv_q8_attbf16", "q8_0", "q8_0", "bf16"),
+                                             ("kv_q8_attbf16", "q8_0", "q8_0", "bf16"), ("kv_bf16", "bf16", "bf16", "f32"),
                                              ("kv_q8_generic", "q8_0_generic", "q8_0", "f32")):
                 if sysname in self.kv:
                     self.kernels[sysname] = kernels_used(dt, self.bw[bw_key].repack_kind, att)
@@ -290,5 +293,5 @@ def weight_nbytes(cfg: DraftConfig, dtype: str) -> int:
         if is_norm(name) or len(shape) == 1:
             total += 4 * n
         else:
-            total += {"f16": 2 * n, "q8_0": n // 32 * 34, "f32": 4 * n}[dtype]
+            total += {"f16": 2 * n, "bf16": 2 * n, "q8_0": n // 32 * 34, "f32": 4 * n}[dtype]
     return total

@@ -24,7 +24,7 @@ def test_bench_step_quick_smoke(tmp_path):
     for result in report["results"]:
         assert result["targets"] and result["windows"]
         text = json.dumps(result["windows"])
-        for system in ("kv_f16", "kv_q8", "raw", "oneshot"):
+        for system in ("kv_f16", "kv_q8", "kv_bf16", "raw", "oneshot"):
             assert system in text
 
 
