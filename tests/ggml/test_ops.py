@@ -38,46 +38,41 @@ def test_mul_mat_against_numpy(be, rng, wtype, tol):
         assert relative_error(got, x.astype(np.float64) @ w16.T) < 1e-3
 
 
-@pytest.mark.parametrize("m, k, n", [(5, 64, 3), (4, 1024, 16), (70, 96, 34), (33, 48, 64), (9, 32, 1), (6, 64, 65), (7, 40, 8)])
-def test_mul_mat_f16_weights_few_columns(rng, m, k, n):
-    """f16 weights x up to 64 f32 columns: the narrow AVX-512 kernel (vendor/patches/0004) keeps the
-    columns f32, so against the stored f16 weights only f32 rounding remains; wider products
-    (n > 64) or rows that are not whole 16-value vectors take ggml's f16 x f16 path (x rounded to f16).
-    Every output is computed by one thread: the thread count must not change a bit."""
+def _as_bf16(a: np.ndarray) -> np.ndarray:
+    return bf16_bits_to_fp32(fp32_to_bf16_bits(a)).astype(np.float64)
+
+
+# the narrow kernels (f16: vendor/patches/0004, bf16: 0019): the input width they need whole vectors
+# of, and whether this CPU runs them
+NARROW_KERNELS = {"f16": (16, lambda: lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c()),
+                  "bf16": (32, lambda: lib.ggml_cpu_has_avx512_bf16())}
+
+
+@pytest.mark.parametrize("wtype", ["f16", "bf16"])
+@pytest.mark.parametrize("m, k, n", [(5, 64, 3), (4, 1024, 16), (70, 96, 34), (33, 48, 64), (33, 64, 64), (9, 32, 1),
+                                     (6, 64, 65), (7, 40, 8), (7, 48, 8), (13, 5120, 9)])
+def test_mul_mat_half_weights_few_columns(rng, wtype, m, k, n):
+    """f16 / bf16 weights x up to 64 f32 columns on the narrow AVX-512 kernels. The f16 one keeps the
+    columns f32, so against the stored f16 weights only f32 rounding remains; the bf16 one rounds
+    them to bf16 as ggml does (nearest even) and sums exact bf16 products, so against both operands
+    rounded only f32 rounding remains. Wider products (n > 64) or rows that are not whole vectors
+    take ggml's path (f16: x rounded to f16; bf16: as the kernel). Every output of a narrow kernel
+    is one thread's: the thread count must not change a bit."""
     w = rng.standard_normal((m, k)).astype(np.float32)
     x = rng.standard_normal((n, k)).astype(np.float32)
-    want = x.astype(np.float64) @ w.astype(np.float16).astype(np.float64).T
-    narrow = n <= 64 and k % 16 == 0 and bool(lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c())
+    w_stored = w.astype(np.float16).astype(np.float64) if wtype == "f16" else _as_bf16(w)
+    x_used = x.astype(np.float64) if wtype == "f16" else _as_bf16(x)
+    want = x_used @ w_stored.T
+    vector, runs_here = NARROW_KERNELS[wtype]
+    narrow = n <= 64 and k % vector == 0 and bool(runs_here())
+    tol = 2e-6 if narrow or wtype == "bf16" else 2e-3
     results = []
     for n_threads in (1, 2, 3):
         with Backend("cpu", n_threads=n_threads) as backend:
-            results.append(compute(backend, [("f16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b)))
+            results.append(compute(backend, [(wtype, w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b)))
     for got in results:
         assert got.shape == (n, m)
-        assert relative_error(got, want) < (2e-6 if narrow else 2e-3), relative_error(got, want)
-        if narrow:
-            np.testing.assert_array_equal(got, results[0])
-
-
-@pytest.mark.parametrize("m, k, n", [(5, 64, 3), (4, 1024, 16), (70, 96, 34), (33, 64, 64), (9, 32, 1), (6, 64, 65),
-                                     (7, 48, 8), (13, 5120, 9)])
-def test_mul_mat_bf16_weights_few_columns(rng, m, k, n):
-    """bf16 weights x up to 64 f32 columns: the narrow AVX512-BF16 kernel (vendor/patches/0019) rounds
-    the columns to bf16 as ggml does (nearest even) and sums exact bf16 products in f32, so against
-    both operands rounded to bf16 only f32 rounding remains, as on ggml's own path (n > 64, or rows
-    not whole 32-value vectors). Every output is one thread's: the thread count must not change a bit."""
-    w = rng.standard_normal((m, k)).astype(np.float32)
-    x = rng.standard_normal((n, k)).astype(np.float32)
-    w16, x16 = (bf16_bits_to_fp32(fp32_to_bf16_bits(a)).astype(np.float64) for a in (w, x))
-    want = x16 @ w16.T
-    narrow = n <= 64 and k % 32 == 0 and bool(lib.ggml_cpu_has_avx512_bf16())
-    results = []
-    for n_threads in (1, 2, 3):
-        with Backend("cpu", n_threads=n_threads) as backend:
-            results.append(compute(backend, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b)))
-    for got in results:
-        assert got.shape == (n, m)
-        assert relative_error(got, want) < 2e-6, relative_error(got, want)
+        assert relative_error(got, want) < tol, relative_error(got, want)
         if narrow:
             np.testing.assert_array_equal(got, results[0])
 
