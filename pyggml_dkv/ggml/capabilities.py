@@ -219,17 +219,34 @@ def ggml_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
             and bool(getattr(lib, f"ggml_cpu_has_{feature}")()) and "CPU_REPACK" in cpu_extra_buffer_types())
 
 
+# q6_K weights (the head and some matrices of Q4_K_M drafters) for the same VNNI scheme
+# (vendor/patches/0020): 2-D, whole 256-value blocks, 16-row groups; the codes stored one per byte
+Q6_VNNI_PATCH = "0020-cpu-q6_K-avx512-vnni-repack.patch"
+
+
+def vnni_q6_k_fits(type_name: str, ne: tuple[int, ...]) -> bool:
+    """Can the CPU_REPACK buffer hold this tensor for the VNNI q6_K kernel (patch 0020) here?"""
+    ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
+    return (type_name == "q6_k" and ne4[0] % 256 == 0 and ne4[1] % 16 == 0 and ne4[2:] == (1, 1)
+            and vnni_available() and Q6_VNNI_PATCH in built_with_patches())
+
+
 def cpu_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
-    """Will the CPU_REPACK buffer lay this tensor out for a kernel here: q8_0 for our VNNI kernel
-    (vnni_fits, patch 0010), q4_0 / q4_K for ggml's own (ggml_repack_fits)?"""
+    """Will the CPU_REPACK buffer lay this tensor out for a kernel here: q8_0 / q6_K for our VNNI
+    kernels (vnni_fits, patch 0010; vnni_q6_k_fits, 0020), q4_0 / q4_K for ggml's own
+    (ggml_repack_fits)?"""
     if type_name == "q8_0":
         return vnni_fits(type_name, ne) and vnni_available()
+    if type_name == "q6_k":
+        return vnni_q6_k_fits(type_name, ne)
     return ggml_repack_fits(type_name, ne)
 
 
 def cpu_repack_takes() -> str:
     """What the CPU_REPACK buffer takes on this CPU, in words (for error messages)."""
     kinds = (["q8_0 with whole 32-value blocks and 16-row groups (VNNI)"] if vnni_available() else [])
+    kinds += (["q6_K with whole 256-value blocks and 16-row groups (VNNI)"]
+              if vnni_available() and Q6_VNNI_PATCH in built_with_patches() else [])
     kinds += [f"{t} with whole 8-row groups" for t, feature in GGML_REPACK_TYPES.items()
               if getattr(lib, f"ggml_cpu_has_{feature}")()]
     return "2-D matrices of " + (", or ".join(kinds) if kinds else "no type")

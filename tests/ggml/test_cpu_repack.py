@@ -18,6 +18,7 @@ from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.ggml import (GGML_REPACK_TYPES, Buffer, Context, cpu_extra_buffer_types, cpu_repack_fits, dequantize, ffi,
                              ggml_repack_fits, lib, quantize)
+from pyggml_dkv.ggml.capabilities import vnni_q6_k_fits
 from pyggml_dkv.model.backend_weights import BackendWeights, repack_buffer
 from tests.ggml.helpers import mul_mat_rows
 
@@ -118,3 +119,95 @@ def test_q4_k_drafter_steps_on_the_repacked_kernels(cpu, tmp_path):
                     got = cache.step(ring, committed, noise)
                     want = R.reference_step(g, feats, committed, cap, noise)
                     assert relative_error(got, want) < 5e-2, (repack, committed)
+
+
+# ----------------------------------------------------------------------------- q6_K on AVX512-VNNI (0020)
+needs_q6_vnni = pytest.mark.skipif(not vnni_q6_k_fits("q6_k", (256, 16)),
+                                   reason="no VNNI q6_K kernel here (patch 0020 / AVX512-VNNI)")
+
+
+def _q6_k_blocks(raw: np.ndarray, n_rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q6_K blocks (210 bytes: ql[128], qh[64], int8 scales[16], f16 d) decoded independently of ggml:
+    (codes 0..63 [rows, k], scales [rows, k // 16], d [rows, k // 256])."""
+    blocks = raw.reshape(n_rows, k // 256, 210)
+    ql, qh = blocks[..., :128].astype(np.int32), blocks[..., 128:192].astype(np.int32)
+    scales = blocks[..., 192:208].copy().view(np.int8).reshape(n_rows, -1)
+    d = blocks[..., 208:210].copy().view(np.float16).reshape(n_rows, -1).astype(np.float32)
+    i = np.arange(256)
+    half, lane, quarter = i // 128, i % 32, (i % 128) // 32
+    low = ql[..., half * 64 + lane + (quarter & 1) * 32]
+    low = np.where(quarter < 2, low & 0xF, low >> 4)
+    high = (qh[..., half * 32 + lane] >> (2 * quarter)) & 3
+    return (low | (high << 4)).reshape(n_rows, k), scales, d
+
+
+def _q6_vnni_exact(raw: np.ndarray, n_rows: int, x: np.ndarray) -> np.ndarray:
+    """The kernel's arithmetic in float64: activations quantized per 256 values (scale max|x| / 127,
+    nearest even, in f32 as the kernel), exact integer sums per 16-value sub-block, scaled by
+    f32(d * scale) and the activation scale."""
+    k = x.shape[1]
+    codes, scales, d = _q6_k_blocks(raw, n_rows, k)
+    xb = x.reshape(x.shape[0], k // 256, 256)
+    db = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(db > 0, np.float32(1) / np.where(db > 0, db, 1), 0).astype(np.float32)
+    xq = np.rint((xb * inv[..., None]).astype(np.float32)).reshape(x.shape[0], k).astype(np.int64)
+    coef = (scales.astype(np.float32) * np.repeat(d, 16, axis=1)).astype(np.float64)  # [rows, k // 16]
+    prod = (codes[None, :, :].astype(np.int64) - 32) * xq[:, None, :]                # [m, rows, k]
+    s = prod.reshape(x.shape[0], n_rows, k // 16, 16).sum(-1)                         # [m, rows, sub-blocks]
+    per_block = (s * coef[None]).reshape(x.shape[0], n_rows, k // 256, 16).sum(-1)    # [m, rows, blocks]
+    return (per_block * db[:, None, :].astype(np.float64)).sum(-1)
+
+
+@needs_q6_vnni
+def test_q6_k_codes_decode_to_ggmls_values():
+    """The layout's source of truth: our decoding of the q6_K codes gives ggml's dequantized values."""
+    rng = np.random.default_rng(8)
+    raw = quantize("q6_k", rng.standard_normal((4, 512)).astype(np.float32))
+    codes, scales, d = _q6_k_blocks(raw, 4, 512)
+    values = np.repeat(d, 256, axis=1) * np.repeat(scales, 16, axis=1).astype(np.float32) * (codes - 32)
+    np.testing.assert_array_equal(values.astype(np.float32), dequantize("q6_k", raw, 4 * 512).reshape(4, 512))
+
+
+@needs_q6_vnni
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_q6_k_vnni_product_is_its_exact_arithmetic(n_threads):
+    """Row counts of a draft step (1 .. 34: tiles of 8 / 4 / 2 / 1), several 16-row groups and
+    256-value blocks: within f32 rounding of the kernel's own arithmetic in float64, equal to the bit
+    for any thread count (one thread per output), and near ggml's ordinary q6_K x q8_K product."""
+    from pyggml_dkv.ggml import Backend
+
+    rng = np.random.default_rng(11)
+    n_out, k = 48, 768
+    raw = quantize("q6_k", rng.standard_normal((n_out, k)).astype(np.float32))
+    with Backend("cpu", n_threads=n_threads) as cpu:
+        for rows in (1, 3, 9, 16, 34):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            x[0, :256] *= 1e-3  # a block far smaller than the others: its own scale
+            out = {}
+            for kind in ("CPU_REPACK", None):
+                with Context(n_tensors=1) as ctx:
+                    wt = ctx.new_tensor("q6_k", k, n_out, name="w")
+                    buf = (Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], cpu) if kind
+                           else Buffer.alloc_ctx_tensors(ctx, cpu))
+                    with buf:
+                        wt.set_bytes(raw)
+                        assert wt.is_repacked == (kind is not None)
+                        out[kind] = mul_mat_rows(cpu, wt, x)
+            assert relative_error(out["CPU_REPACK"], _q6_vnni_exact(raw, n_out, x)) < 1e-6, rows
+            assert relative_error(out["CPU_REPACK"], out[None]) < 2e-3, rows  # ggml's q8_K rounds ties otherwise
+
+
+@needs_q6_vnni
+def test_q6_k_vnni_non_finite_rows_stay_non_finite(cpu):
+    """A NaN or inf in an activation row makes that row's outputs NaN, as f32 arithmetic would; the
+    other rows are untouched."""
+    rng = np.random.default_rng(12)
+    raw = quantize("q6_k", rng.standard_normal((16, 256)).astype(np.float32))
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    x[1, 7] = np.inf
+    with Context(n_tensors=1) as ctx:
+        wt = ctx.new_tensor("q6_k", 256, 16, name="w")
+        with Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()["CPU_REPACK"], cpu):
+            wt.set_bytes(raw)
+            got = mul_mat_rows(cpu, wt, x)
+    assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
