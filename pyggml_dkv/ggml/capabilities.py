@@ -245,7 +245,7 @@ def cpu_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
 def cpu_repack_takes() -> str:
     """What the CPU_REPACK buffer takes on this CPU, in words (for error messages)."""
     kinds = (["q8_0 with whole 32-value blocks and 16-row groups (VNNI)"] if vnni_available() else [])
-    kinds += (["q6_K with whole 256-value blocks and 16-row groups (VNNI)"]
+    kinds += (["q6_k with whole 256-value blocks and 16-row groups (VNNI)"]
               if vnni_available() and Q6_VNNI_PATCH in built_with_patches() else [])
     kinds += [f"{t} with whole 8-row groups" for t, feature in GGML_REPACK_TYPES.items()
               if getattr(lib, f"ggml_cpu_has_{feature}")()]
