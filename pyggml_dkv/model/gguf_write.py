@@ -8,6 +8,9 @@ in gguf_names.py. `token_embd` / `output` are written when the weights carry the
 them llama.cpp borrows the target's at run time.
 
 Matrices are stored in `dtype` (quantized by ggml's own quantizer), norm vectors in f32.
+`dtype="q4_k_m"` writes llama.cpp's Q4_K_M mix instead, the form DFlash drafters are published in:
+q4_K, with q6_K for the output head and for the V projection and the MLP's down projection of the
+layers llama.cpp gives more bits (src/llama-quant.cpp, `use_more_bits`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m")
+# llama.cpp's Q4_K_M: the matrices that get q6_K instead of q4_K (`layer` None: every layer)
+Q4_K_M_MORE_BITS = ("self_attn.v_proj.weight", "mlp.down_proj.weight")
 # the training context written when the config has no YaRN original context (informational)
 DEFAULT_CONTEXT_LENGTH = 32768
 MASK_KEY = "tokenizer.ggml.mask_token_id"
@@ -104,6 +109,24 @@ def _tensor_bytes(name: str, arr: np.ndarray, dtype: str) -> tuple[np.ndarray, A
     return raw.reshape(arr.shape[0], -1), Q[dtype.upper()]
 
 
+def use_more_bits(layer: int, n_layer: int) -> bool:
+    """llama.cpp's rule for the layers of a Q4_K_M file whose V / down projections get q6_K: the
+    first and last eighth, and every third one between."""
+    return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
+
+
+def matrix_type(name: str, dtype: str, n_layer: int) -> str:
+    """The type `name` is stored in for a file of `dtype` (the mix's choice for "q4_k_m")."""
+    if dtype != "q4_k_m":
+        return dtype
+    if name == "lm_head":
+        return "q6_k"
+    parts = name.split(".")
+    if parts[0] == "layers" and ".".join(parts[2:]) in Q4_K_M_MORE_BITS and use_more_bits(int(parts[1]), n_layer):
+        return "q6_k"
+    return "q4_k"
+
+
 def save_gguf(weights: "DraftWeights", path: str | Path, dtype: str = "f16",
               vocab_from: str | Path | None = None) -> Path:
     """Write `weights` as a dflash GGUF at `path` (a .gguf file, or a directory for model.gguf)."""
@@ -173,7 +196,7 @@ def save_gguf(weights: "DraftWeights", path: str | Path, dtype: str = "f16",
         if weights.lm_head is not None:
             arrays["lm_head"] = weights.lm_head
         for name, arr in arrays.items():
-            payload, raw_type = _tensor_bytes(name, arr, dtype)
+            payload, raw_type = _tensor_bytes(name, arr, matrix_type(name, dtype, cfg.n_layer))
             w.add_tensor(gguf_name(name), payload, raw_dtype=raw_type)
         w.write_header_to_file()
         w.write_kv_data_to_file()

@@ -115,7 +115,8 @@ class DraftWeights(Mapping[str, np.ndarray]):
                         vocab_from: str | Path | None = None) -> Path | None:
         """Write config.json + model.safetensors in the `dflash` package's format, or with
         `format="gguf"` a llama.cpp dflash GGUF (`dtype` f32 / f16 / bf16 / q8_0 / q4_0 / q4_k /
-        q5_k / q6_k; `vocab_from`: the target's GGUF, whose tokenizer llama.cpp needs). A GGUF
+        q5_k / q6_k, or q4_k_m: llama.cpp's Q4_K_M mix; `vocab_from`: the target's GGUF, whose
+        tokenizer llama.cpp needs). A GGUF
         goes to `path` if it ends in .gguf, else to `path`/model.gguf; returns that file."""
         if format == "gguf":
             # imported here: writing quantizes with ggml, and this module imports without it

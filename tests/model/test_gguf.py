@@ -9,6 +9,7 @@ from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
 from pyggml_dkv.ggml.types import dequantize, quantize
 from pyggml_dkv.model.config import DraftConfig
 from pyggml_dkv.model.gguf_names import GGUFError
+from pyggml_dkv.model.gguf_write import matrix_type, use_more_bits
 from pyggml_dkv.model.weights import DraftWeights
 
 gguf = pytest.importorskip("gguf")
@@ -101,6 +102,31 @@ def test_round_trip(dtype, tmp_path, vocab_file):
     assert not raw.flags.owndata  # a view of the memory-mapped file, not a copy
     if dtype not in ("f32", "f16", "bf16"):
         np.testing.assert_array_equal(raw, quantize(dtype, w["fc.weight"]))
+
+
+def test_q4_k_m_is_llama_cpps_mix(tmp_path, vocab_file):
+    """dtype="q4_k_m": q4_K everywhere but q6_K for the head and for the V / down projections of
+    the layers llama.cpp's Q4_K_M gives more bits (the toy's 2 layers: the second, as the last
+    eighth), each matrix stored and read back in its own type."""
+    cfg = toy_cfg()
+    w = toy_weights(cfg)
+    r = DraftWeights.from_pretrained(w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype="q4_k_m",
+                                                       vocab_from=vocab_file))
+    six = {"lm_head", "layers.1.self_attn.v_proj.weight", "layers.1.mlp.down_proj.weight"}
+    for name, stored in r.stored.items():
+        want_type = "q6_k" if name in six else "q4_k"
+        assert stored.type_name == want_type == matrix_type(name, "q4_k_m", cfg.n_layer), name
+        def of(d: DraftWeights) -> np.ndarray:
+            return getattr(d, name) if name in ("lm_head", "embed_tokens") else d[name]
+
+        np.testing.assert_array_equal(of(r), expected_rounding(of(w), want_type), err_msg=name)
+
+
+def test_use_more_bits_follows_llama_cpp():
+    """llama.cpp's use_more_bits (src/llama-quant.cpp): the first and last eighth, every third between."""
+    assert [i for i in range(5) if use_more_bits(i, 5)] == [2, 4]
+    assert [i for i in range(2) if use_more_bits(i, 2)] == [1]
+    assert [i for i in range(32) if use_more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
 
 
 def test_without_vocab_matrices_and_path_forms(tmp_path, vocab_file):

@@ -42,7 +42,7 @@ def drafter(n_vocab: int, seed: int = 0, **changes) -> DraftWeights:
     return DraftWeights(cfg, dict(DraftWeights.random(cfg, seed=seed)), embed_tokens=emb, lm_head=head)
 
 
-@pytest.mark.parametrize("dtype", ["f16", "q8_0", "q4_k"])
+@pytest.mark.parametrize("dtype", ["f16", "q8_0", "q4_k", "q4_k_m"])
 def test_llama_cpp_loads_what_we_write(dtype, tmp_path, target_gguf):
     w = drafter(49152, freq_scale=0.25, ext_factor=1.0, n_ctx_orig=4096)
     path = w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype=dtype, vocab_from=target_gguf)
