@@ -22,6 +22,18 @@ from pyggml_dkv.ggml.capabilities import vnni_q6_k_fits
 from pyggml_dkv.model.backend_weights import BackendWeights, repack_buffer
 from tests.ggml.helpers import mul_mat_rows
 
+def product_in(cpu, kind: str | None, ty: str, raw: np.ndarray, shape: tuple[int, int], x: np.ndarray) -> np.ndarray:  # noqa: ANN001
+    """x times the (out, in) `ty` matrix of blocks `raw`, uploaded to the `kind` buffer (None: ordinary)."""
+    with Context(n_tensors=1) as ctx:
+        wt = ctx.new_tensor(ty, shape[1], shape[0], name="w")
+        buf = (Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], cpu) if kind
+               else Buffer.alloc_ctx_tensors(ctx, cpu))
+        with buf:
+            wt.set_bytes(raw)
+            assert wt.is_repacked == (kind is not None)
+            return mul_mat_rows(cpu, wt, x)
+
+
 needs_repack = pytest.mark.skipif(not all(ggml_repack_fits(t, (256, 8)) for t in GGML_REPACK_TYPES),
                                   reason="no CPU_REPACK buffer with ggml's q4 kernels here (they need AVX2)")
 
@@ -59,16 +71,7 @@ def test_repacked_products_agree_with_ggmls_ordinary_kernel(cpu, ty):
     w = dequantize(ty, raw, n_out * k).reshape(n_out, k)
     for rows in (1, 4, 9, 16, 18, 34):
         x = rng.standard_normal((rows, k)).astype(np.float32)
-        out = {}
-        for kind in ("CPU_REPACK", None):
-            with Context(n_tensors=1) as ctx:
-                wt = ctx.new_tensor(ty, k, n_out, name="w")
-                buf = (Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], cpu) if kind
-                       else Buffer.alloc_ctx_tensors(ctx, cpu))
-                with buf:
-                    wt.set_bytes(raw)
-                    assert wt.is_repacked == (kind is not None)
-                    out[kind] = mul_mat_rows(cpu, wt, x)
+        out = {kind: product_in(cpu, kind, ty, raw, (n_out, k), x) for kind in ("CPU_REPACK", None)}
         assert relative_error(out["CPU_REPACK"], out[None]) < 1e-5, (ty, rows)
         # and both are the 8-bit-activation product of the very same weights (a sanity bound)
         assert relative_error(out["CPU_REPACK"], x.astype(np.float64) @ w.T.astype(np.float64)) < 3e-2, (ty, rows)
@@ -183,16 +186,7 @@ def test_q6_k_vnni_product_is_its_exact_arithmetic(n_threads):
         for rows in (1, 3, 9, 16, 34):
             x = rng.standard_normal((rows, k)).astype(np.float32)
             x[0, :256] *= 1e-3  # a block far smaller than the others: its own scale
-            out = {}
-            for kind in ("CPU_REPACK", None):
-                with Context(n_tensors=1) as ctx:
-                    wt = ctx.new_tensor("q6_k", k, n_out, name="w")
-                    buf = (Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], cpu) if kind
-                           else Buffer.alloc_ctx_tensors(ctx, cpu))
-                    with buf:
-                        wt.set_bytes(raw)
-                        assert wt.is_repacked == (kind is not None)
-                        out[kind] = mul_mat_rows(cpu, wt, x)
+            out = {kind: product_in(cpu, kind, "q6_k", raw, (n_out, k), x) for kind in ("CPU_REPACK", None)}
             assert relative_error(out["CPU_REPACK"], _q6_vnni_exact(raw, n_out, x)) < 1e-6, rows
             assert relative_error(out["CPU_REPACK"], out[None]) < 2e-3, rows  # ggml's q8_K rounds ties otherwise
 
