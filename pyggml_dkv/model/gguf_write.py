@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m")
-# llama.cpp's Q4_K_M: the matrices that get q6_K instead of q4_K (`layer` None: every layer)
+# llama.cpp's Q4_K_M: the per-layer matrices that get q6_K instead of q4_K in use_more_bits layers
 Q4_K_M_MORE_BITS = ("self_attn.v_proj.weight", "mlp.down_proj.weight")
 # the training context written when the config has no YaRN original context (informational)
 DEFAULT_CONTEXT_LENGTH = 32768
