@@ -100,11 +100,9 @@ class BackendWeights:
         types = {n: self._matrix_type(weights, n, dtype) for n, a in weights.items() if a.ndim == 2 and not is_norm(n)}
         kinds = {n: repack_buffer(backend, types[n], *weights[n].shape) for n in types} if repack else {}
         kinds = {n: k for n, k in kinds.items() if k is not None}
-        self.repack_kinds: tuple[str, ...] = tuple(k for k in ("AMX", "CPU_REPACK") if k in kinds.values())
-        # the first of them, for reports ("AMX" wherever any matrix runs on AMX tiles)
-        self.repack_kind: str | None = self.repack_kinds[0] if self.repack_kinds else None
         self.ctx = Context(n_tensors=len(weights) - len(kinds) + 1)
-        self.repacked_ctxs = {k: Context(n_tensors=sum(v == k for v in kinds.values()) + 1) for k in self.repack_kinds}
+        self.repacked_ctxs = {k: Context(n_tensors=sum(v == k for v in kinds.values()) + 1)
+                              for k in ("AMX", "CPU_REPACK") if k in kinds.values()}
         self.tensors: dict[str, Tensor] = {}
         for name, arr in weights.items():
             ty = types.get(name, "f32")
@@ -134,6 +132,16 @@ class BackendWeights:
             return dtype
         stored = weights.stored.get(name)
         return stored.type_name if stored is not None else NATIVE_FALLBACK
+
+    @property
+    def repack_kinds(self) -> tuple[str, ...]:
+        """The repacking buffers the matrices went to ("AMX" first)."""
+        return tuple(self.repacked_ctxs)
+
+    @property
+    def repack_kind(self) -> str | None:
+        """The first of them, for reports ("AMX" wherever any matrix runs on AMX tiles)."""
+        return next(iter(self.repacked_ctxs), None)
 
     @property
     def nbytes(self) -> int:
