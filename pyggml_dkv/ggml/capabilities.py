@@ -222,31 +222,50 @@ def ggml_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
 # q6_K weights (the head and some matrices of Q4_K_M drafters) for the same VNNI scheme
 # (vendor/patches/0020): 2-D, whole 256-value blocks, 16-row groups; the codes stored one per byte
 Q6_VNNI_PATCH = "0020-cpu-q6_K-avx512-vnni-repack.patch"
+# q4_K weights (most matrices of Q4_K_M drafters) and q5_K ones likewise (vendor/patches/0021): 16-row
+# groups go to our VNNI kernel; other whole 8-row groups of q4_K to ggml's own AVX2 layout
+Q4_Q5_VNNI_PATCH = "0021-cpu-q4_K-q5_K-avx512-vnni-repack.patch"
+_K_VNNI_PATCHES = {"q6_k": Q6_VNNI_PATCH, "q4_k": Q4_Q5_VNNI_PATCH, "q5_k": Q4_Q5_VNNI_PATCH}
+
+
+def vnni_k_quant_fits(type_name: str, ne: tuple[int, ...]) -> bool:
+    """Can the CPU_REPACK buffer hold this tensor for our VNNI q6_K / q4_K / q5_K kernels (patches
+    0020, 0021) here: 2-D, whole 256-value blocks, 16-row groups?"""
+    ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
+    patch = _K_VNNI_PATCHES.get(type_name)
+    return (patch is not None and ne4[0] % 256 == 0 and ne4[1] % 16 == 0 and ne4[2:] == (1, 1)
+            and vnni_available() and patch in built_with_patches())
 
 
 def vnni_q6_k_fits(type_name: str, ne: tuple[int, ...]) -> bool:
     """Can the CPU_REPACK buffer hold this tensor for the VNNI q6_K kernel (patch 0020) here?"""
-    ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
-    return (type_name == "q6_k" and ne4[0] % 256 == 0 and ne4[1] % 16 == 0 and ne4[2:] == (1, 1)
-            and vnni_available() and Q6_VNNI_PATCH in built_with_patches())
+    return type_name == "q6_k" and vnni_k_quant_fits(type_name, ne)
+
+
+def cpu_repack_kernel(type_name: str, ne: tuple[int, ...]) -> str | None:
+    """The kernel the CPU_REPACK buffer would lay this tensor out for here, in words, or None when
+    it cannot hold it: our VNNI kernels for q8_0 (patch 0010), q6_K (0020), q4_K and q5_K (0021), ggml's
+    own interleaved ones for q4_0 and the q4_K shapes ours do not take. The order is ggml's own
+    (src/ggml-cpu/repack.cpp, ggml_repack_get_optimal_repack_type)."""
+    if type_name == "q8_0":
+        return "q8_0 VNNI (patch 0010)" if vnni_fits(type_name, ne) and vnni_available() else None
+    if vnni_k_quant_fits(type_name, ne):
+        return f"{type_name.replace('_k', '_K')} VNNI (patch {_K_VNNI_PATCHES[type_name][:4]})"
+    if ggml_repack_fits(type_name, ne):
+        return f"ggml's {type_name.replace('_k', '_K')} 8x8 ({GGML_REPACK_TYPES[type_name].upper()})"
+    return None
 
 
 def cpu_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
-    """Will the CPU_REPACK buffer lay this tensor out for a kernel here: q8_0 / q6_K for our VNNI
-    kernels (vnni_fits, patch 0010; vnni_q6_k_fits, 0020), q4_0 / q4_K for ggml's own
-    (ggml_repack_fits)?"""
-    if type_name == "q8_0":
-        return vnni_fits(type_name, ne) and vnni_available()
-    if type_name == "q6_k":
-        return vnni_q6_k_fits(type_name, ne)
-    return ggml_repack_fits(type_name, ne)
+    """Will the CPU_REPACK buffer lay this tensor out for a kernel here (cpu_repack_kernel)?"""
+    return cpu_repack_kernel(type_name, ne) is not None
 
 
 def cpu_repack_takes() -> str:
     """What the CPU_REPACK buffer takes on this CPU, in words (for error messages)."""
     kinds = (["q8_0 with whole 32-value blocks and 16-row groups (VNNI)"] if vnni_available() else [])
-    kinds += (["q6_k with whole 256-value blocks and 16-row groups (VNNI)"]
-              if vnni_available() and Q6_VNNI_PATCH in built_with_patches() else [])
+    kinds += [f"{t} with whole 256-value blocks and 16-row groups (VNNI)" for t, patch in _K_VNNI_PATCHES.items()
+              if vnni_available() and patch in built_with_patches()]
     kinds += [f"{t} with whole 8-row groups" for t, feature in GGML_REPACK_TYPES.items()
               if getattr(lib, f"ggml_cpu_has_{feature}")()]
     return "2-D matrices of " + (", or ".join(kinds) if kinds else "no type")

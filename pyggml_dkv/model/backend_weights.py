@@ -46,8 +46,9 @@ def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: i
 
 def repack_buffer(backend: Backend, dtype: str, out_features: int, in_features: int) -> str | None:
     """The repacking buffer type an (out, in) `dtype` matrix that is only ever multiplied goes to:
-    "AMX" (ggml's AMX kernels), else "CPU_REPACK" (q8_0 on AVX512-VNNI, vendor/patches/0010; q4_0 /
-    q4_K on AVX2, ggml's own kernels: capabilities.cpu_repack_fits), else None (an ordinary buffer)."""
+    "AMX" (ggml's AMX kernels), else "CPU_REPACK" (q8_0, q6_K, q4_K on AVX512-VNNI, vendor/patches/0010,
+    0020, 0021; q4_0 on AVX2, ggml's own kernel: capabilities.cpu_repack_kernel), else None (an ordinary
+    buffer)."""
     if amx_eligible(backend, dtype, out_features, in_features):
         return "AMX"
     if backend.is_cpu and cpu_repack_fits(dtype, (in_features, out_features)):
@@ -68,9 +69,10 @@ class BackendWeights:
     buffer, which lays them out for its int8 tile kernels as they are uploaded; on a CPU without
     AMX but with AVX512-VNNI, to the CPU_REPACK buffer for the VNNI kernel of vendor/patches/0010
     (both much faster than the generic q8_0 path: benchmarks/README.md). With `dtype="native"`, a
-    file's q4_0 / q4_K matrices go to CPU_REPACK on CPUs with AVX2, for ggml's interleaved kernels
-    (as llama.cpp runs them). Those tensors cannot be read back (`Tensor.numpy()` raises); `host`
-    still has the values.
+    file's q6_K / q4_K matrices go there too for our VNNI kernels (vendor/patches/0020, 0021), and its
+    q4_0 ones (and q4_K ones without VNNI) for ggml's interleaved AVX2 kernels, as llama.cpp runs them
+    (`capabilities.cpu_repack_kernel` says which). Those tensors cannot be read back
+    (`Tensor.numpy()` raises); `host` still has the values.
     """
 
     def __init__(self, weights: "DraftWeights", backend: Backend, dtype: str = "auto", repack: bool = True) -> None:

@@ -10,15 +10,17 @@ whole q4_K drafter's steps agree with its unrepacked twin and with the float64 r
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing
 from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
-from pyggml_dkv.ggml import (GGML_REPACK_TYPES, Buffer, Context, cpu_extra_buffer_types, cpu_repack_fits, dequantize, ffi,
-                             ggml_repack_fits, lib, quantize)
-from pyggml_dkv.ggml.capabilities import vnni_q6_k_fits
+from pyggml_dkv.ggml import (GGML_REPACK_TYPES, Buffer, Context, cpu_extra_buffer_types, cpu_repack_fits, cpu_repack_kernel,
+                             dequantize, ffi, ggml_repack_fits, lib, quantize)
+from pyggml_dkv.ggml.capabilities import vnni_k_quant_fits
 from pyggml_dkv.model.backend_weights import BackendWeights, repack_buffer
 from tests.ggml.helpers import mul_mat_rows
 
@@ -80,9 +82,9 @@ def test_repacked_products_agree_with_ggmls_ordinary_kernel(cpu, ty):
 @needs_repack
 @pytest.mark.parametrize("ty", ["q4_k", "q5_k"])
 def test_refuses_what_no_layout_takes(cpu, ty):
-    """A q4_K matrix of 12 rows (not whole 8-row groups), or a type with no x86 layout (q5_K): a
-    clear error naming the buffer, never ggml's abort on upload."""
-    ne = (256, 12) if ty == "q4_k" else (256, 16)
+    """A q4_K matrix of 12 rows (not whole 8-row groups), or a q5_K one of 8 (ggml has no x86 layout
+    for q5_K, ours takes 16-row groups): a clear error naming the buffer, never ggml's abort on upload."""
+    ne = (256, 12) if ty == "q4_k" else (256, 8)
     assert not cpu_repack_fits(ty, ne)
     with Context(n_tensors=1) as ctx:
         ctx.new_tensor(ty, *ne, name="w")
@@ -114,6 +116,8 @@ def test_q4_k_drafter_steps_on_the_repacked_kernels(cpu, tmp_path):
             n_q4 = sum(t.type == "q4_k" for t in bw.tensors.values())
             assert n_q4 > 0
             assert bw.n_repacked == (n_q4 if repack else 0) and bw.repack_kinds == (("CPU_REPACK",) if repack else ())
+            if repack and vnni_k_quant_fits("q4_k", (256, 16)):  # every toy matrix has whole 16-row groups
+                assert {cpu_repack_kernel("q4_k", t.ne) for t in bw.tensors.values() if t.type == "q4_k"} == {"q4_K VNNI (patch 0021)"}
             ring = FeatureRing(cap + 3 * cfg.block_size, cfg.fc_in)
             with DraftKvCache(bw, cpu, cap, cache_type="f32") as cache:
                 for committed in (9, 25, 41, 60, 77, 100):  # the last ones past the cap: ring wraps
@@ -124,9 +128,9 @@ def test_q4_k_drafter_steps_on_the_repacked_kernels(cpu, tmp_path):
                     assert relative_error(got, want) < 5e-2, (repack, committed)
 
 
-# ----------------------------------------------------------------------------- q6_K on AVX512-VNNI (0020)
-needs_q6_vnni = pytest.mark.skipif(not vnni_q6_k_fits("q6_k", (256, 16)),
-                                   reason="no VNNI q6_K kernel here (patch 0020 / AVX512-VNNI)")
+# ------------------------------------------------------ q6_K, q4_K and q5_K on AVX512-VNNI (0020, 0021)
+needs_k_vnni = pytest.mark.skipif(not all(vnni_k_quant_fits(t, (256, 16)) for t in ("q6_k", "q4_k", "q5_k")),
+                                  reason="no VNNI K-quant kernels here (patches 0020, 0021 / AVX512-VNNI)")
 
 
 def _q6_k_blocks(raw: np.ndarray, n_rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -144,24 +148,67 @@ def _q6_k_blocks(raw: np.ndarray, n_rows: int, k: int) -> tuple[np.ndarray, np.n
     return (low | (high << 4)).reshape(n_rows, k), scales, d
 
 
-def _q6_vnni_exact(raw: np.ndarray, n_rows: int, x: np.ndarray) -> np.ndarray:
-    """The kernel's arithmetic in float64: activations quantized per 256 values (scale max|x| / 127,
-    nearest even, in f32 as the kernel), exact integer sums per 16-value sub-block, scaled by
-    f32(d * scale) and the activation scale."""
-    k = x.shape[1]
-    codes, scales, d = _q6_k_blocks(raw, n_rows, k)
-    xb = x.reshape(x.shape[0], k // 256, 256)
+def _kmin_blocks(ty: str, raw: np.ndarray, n_rows: int, k: int) -> tuple[np.ndarray, ...]:
+    """q4_K / q5_K blocks (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, q5_K's qh[32] of fifth
+    bits, qs[128] of low nibbles) decoded independently of ggml: (codes [rows, k], scales and mins
+    [rows, k // 32], d and dmin [rows, k // 256])."""
+    size = {"q4_k": 144, "q5_k": 176}[ty]
+    blocks = raw.reshape(n_rows, k // 256, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 4:16].astype(np.int32)
+    # sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: a nibble of bytes
+    # 8-11 and the top 2 bits of bytes 0-3 (scales) / 4-7 (mins)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = blocks[..., size - 128:].astype(np.int32)
+    i = np.arange(256)
+    sub = i // 32
+    byte = qs[..., 32 * (sub // 2) + i % 32]
+    codes = np.where(sub % 2 == 0, byte & 0xF, byte >> 4)
+    if ty == "q5_k":  # the fifth bit of value i: bit (i // 32) of qh[i % 32]
+        codes = codes | (((blocks[..., 16:48].astype(np.int32)[..., i % 32] >> sub) & 1) << 4)
+    return codes.reshape(n_rows, k), sc.reshape(n_rows, -1), mn.reshape(n_rows, -1), d, dmin
+
+
+def _quantize_per_256(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' activations: per 256 values, scale max|x| / 127 and values rounded to nearest
+    even, in f32 as the kernels compute them: (int64 values [m, k], scales [m, k // 256])."""
+    xb = x.reshape(x.shape[0], -1, 256)
     db = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
     inv = np.where(db > 0, np.float32(1) / np.where(db > 0, db, 1), 0).astype(np.float32)
-    xq = np.rint((xb * inv[..., None]).astype(np.float32)).reshape(x.shape[0], k).astype(np.int64)
+    return np.rint((xb * inv[..., None]).astype(np.float32)).reshape(x.shape).astype(np.int64), db
+
+
+def _q6_vnni_exact(raw: np.ndarray, n_rows: int, x: np.ndarray) -> np.ndarray:
+    """0020's arithmetic in float64: exact integer sums per 16-value sub-block, scaled by
+    f32(d * scale) and the activation scale."""
+    m, k = x.shape
+    codes, scales, d = _q6_k_blocks(raw, n_rows, k)
+    xq, db = _quantize_per_256(x)
     coef = (scales.astype(np.float32) * np.repeat(d, 16, axis=1)).astype(np.float64)  # [rows, k // 16]
     prod = (codes[None, :, :].astype(np.int64) - 32) * xq[:, None, :]                # [m, rows, k]
-    s = prod.reshape(x.shape[0], n_rows, k // 16, 16).sum(-1)                         # [m, rows, sub-blocks]
-    per_block = (s * coef[None]).reshape(x.shape[0], n_rows, k // 256, 16).sum(-1)    # [m, rows, blocks]
+    s = prod.reshape(m, n_rows, k // 16, 16).sum(-1)                                  # [m, rows, sub-blocks]
+    per_block = (s * coef[None]).reshape(m, n_rows, k // 256, 16).sum(-1)             # [m, rows, blocks]
     return (per_block * db[:, None, :].astype(np.float64)).sum(-1)
 
 
-@needs_q6_vnni
+def _kmin_vnni_exact(ty: str, raw: np.ndarray, n_rows: int, x: np.ndarray) -> np.ndarray:
+    """0021's arithmetic (q4_K, q5_K) in float64: per 256-value block the exact integers isum =
+    sum_j sc_j * sum(code * qx) and imin = sum_j mn_j * sum(qx) over the 32-value sub-blocks j, then
+    dx * (d * isum - dmin * imin)."""
+    m, k = x.shape
+    codes, sc, mn, d, dmin = _kmin_blocks(ty, raw, n_rows, k)
+    xq, db = _quantize_per_256(x)
+    s = (codes[None].astype(np.int64) * xq[:, None, :]).reshape(m, n_rows, k // 32, 32).sum(-1)  # [m, rows, subs]
+    xs = xq.reshape(m, k // 32, 32).sum(-1)                                                        # [m, subs]
+    isum = (s * sc[None]).reshape(m, n_rows, k // 256, 8).sum(-1)
+    imin = (xs[:, None, :] * mn[None]).reshape(m, n_rows, k // 256, 8).sum(-1)
+    per_block = d[None].astype(np.float64) * isum - dmin[None].astype(np.float64) * imin
+    return (per_block * db[:, None, :].astype(np.float64)).sum(-1)
+
+
+@needs_k_vnni
 def test_q6_k_codes_decode_to_ggmls_values():
     """The layout's source of truth: our decoding of the q6_K codes gives ggml's dequantized values."""
     rng = np.random.default_rng(8)
@@ -171,37 +218,85 @@ def test_q6_k_codes_decode_to_ggmls_values():
     np.testing.assert_array_equal(values.astype(np.float32), dequantize("q6_k", raw, 4 * 512).reshape(4, 512))
 
 
-@needs_q6_vnni
-@pytest.mark.parametrize("n_threads", [1, 2, 3])
-def test_q6_k_vnni_product_is_its_exact_arithmetic(n_threads):
+@needs_k_vnni
+@pytest.mark.parametrize("ty", ["q4_k", "q5_k"])
+def test_q4_k_q5_k_codes_decode_to_ggmls_values(ty):
+    """Likewise for q4_K / q5_K: d * scale * code - dmin * min, to the last bit f32 allows (ggml may
+    fuse the multiply and subtract)."""
+    rng = np.random.default_rng(8)
+    raw = quantize(ty, rng.standard_normal((4, 512)).astype(np.float32))
+    codes, sc, mn, d, dmin = _kmin_blocks(ty, raw, 4, 512)
+    assert codes.min() >= 0 and codes.max() == (15 if ty == "q4_k" else 31) and sc.max() <= 63 and mn.max() <= 63
+    values = (np.repeat(d, 256, axis=1) * np.repeat(sc, 32, axis=1).astype(np.float64) * codes
+              - np.repeat(dmin, 256, axis=1) * np.repeat(mn, 32, axis=1).astype(np.float64))
+    np.testing.assert_allclose(dequantize(ty, raw, 4 * 512).reshape(4, 512), values, rtol=0,
+                               atol=2e-7 * np.abs(values).max())
+
+
+@needs_k_vnni
+@pytest.mark.parametrize("ty", ["q6_k", "q4_k", "q5_k"])
+def test_k_quant_vnni_product_is_its_exact_arithmetic(ty):
     """Row counts of a draft step (1 .. 34: tiles of 8 / 4 / 2 / 1), several 16-row groups and
     256-value blocks: within f32 rounding of the kernel's own arithmetic in float64, equal to the bit
-    for any thread count (one thread per output), and near ggml's ordinary q6_K x q8_K product."""
+    for 1, 2 or 3 threads (one thread per output), and near ggml's ordinary K-quant x q8_K product."""
     from pyggml_dkv.ggml import Backend
 
+    exact = _q6_vnni_exact if ty == "q6_k" else functools.partial(_kmin_vnni_exact, ty)
     rng = np.random.default_rng(11)
     n_out, k = 48, 768
-    raw = quantize("q6_k", rng.standard_normal((n_out, k)).astype(np.float32))
-    with Backend("cpu", n_threads=n_threads) as cpu:
-        for rows in (1, 3, 9, 16, 34):
-            x = rng.standard_normal((rows, k)).astype(np.float32)
-            x[0, :256] *= 1e-3  # a block far smaller than the others: its own scale
-            out = {kind: product_in(cpu, kind, "q6_k", raw, (n_out, k), x) for kind in ("CPU_REPACK", None)}
-            assert relative_error(out["CPU_REPACK"], _q6_vnni_exact(raw, n_out, x)) < 1e-6, rows
-            assert relative_error(out["CPU_REPACK"], out[None]) < 2e-3, rows  # ggml's q8_K rounds ties otherwise
+    raw = quantize(ty, rng.standard_normal((n_out, k)).astype(np.float32))
+    for rows in (1, 3, 9, 16, 34):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        x[0, :256] *= 1e-3  # a block far smaller than the others: its own scale
+        by_threads = []
+        for n_threads in (1, 2, 3):
+            with Backend("cpu", n_threads=n_threads) as cpu:
+                by_threads.append(product_in(cpu, "CPU_REPACK", ty, raw, (n_out, k), x))
+                ordinary = product_in(cpu, None, ty, raw, (n_out, k), x)
+        for got in by_threads[1:]:
+            np.testing.assert_array_equal(got, by_threads[0])
+        assert relative_error(by_threads[0], exact(raw, n_out, x)) < 1e-6, rows
+        # ggml's q8_K rounds some ties the other way (q6_K: 2e-3; q4_K / q5_K measured 2-4e-7)
+        assert relative_error(by_threads[0], ordinary) < (2e-3 if ty == "q6_k" else 1e-5), rows
 
 
-@needs_q6_vnni
-def test_q6_k_vnni_non_finite_rows_stay_non_finite(cpu):
+@needs_k_vnni
+@pytest.mark.parametrize("ty", ["q6_k", "q4_k", "q5_k"])
+def test_k_quant_vnni_non_finite_rows_stay_non_finite(cpu, ty):
     """A NaN or inf in an activation row makes that row's outputs NaN, as f32 arithmetic would; the
     other rows are untouched."""
     rng = np.random.default_rng(12)
-    raw = quantize("q6_k", rng.standard_normal((16, 256)).astype(np.float32))
+    raw = quantize(ty, rng.standard_normal((16, 256)).astype(np.float32))
     x = rng.standard_normal((3, 256)).astype(np.float32)
     x[1, 7] = np.inf
     with Context(n_tensors=1) as ctx:
-        wt = ctx.new_tensor("q6_k", 256, 16, name="w")
+        wt = ctx.new_tensor(ty, 256, 16, name="w")
         with Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()["CPU_REPACK"], cpu):
             wt.set_bytes(raw)
             got = mul_mat_rows(cpu, wt, x)
     assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
+
+
+@needs_k_vnni
+def test_named_kernel_is_the_one_ggml_picks(cpu):
+    """cpu_repack_kernel names the layout ggml chooses: ggml keeps one traits object per kernel in
+    each tensor's `extra`, so two shapes share a kernel exactly when their pointers are equal
+    (q4_K: 16-row groups on our VNNI kernel, other 8-row groups on ggml's AVX2 one)."""
+    buft = cpu_extra_buffer_types()["CPU_REPACK"]
+    picked: dict[tuple[str, tuple[int, int]], int] = {}
+    for ty in ("q4_k", "q5_k", "q6_k", "q8_0", "q4_0"):
+        for ne in [(256, 16), (512, 32), (256, 24), (256, 40)]:
+            with Context(n_tensors=1) as ctx:
+                t = ctx.new_tensor(ty, *ne, name="w")
+                buf = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx.handle, buft)
+                try:
+                    picked[ty, ne] = int(ffi.cast("uintptr_t", t.ptr.extra))
+                finally:
+                    lib.ggml_backend_buffer_free(buf)
+    named = {key: cpu_repack_kernel(*key) for key in picked}
+    assert named["q4_k", (256, 16)] == "q4_K VNNI (patch 0021)" and named["q4_k", (256, 24)].startswith("ggml's")
+    for a in picked:
+        for b in picked:
+            if picked[a] and picked[b]:
+                assert (picked[a] == picked[b]) == (named[a] == named[b]), (a, b)
+            assert (picked[a] != 0) == (named[a] is not None), a
