@@ -219,38 +219,35 @@ def ggml_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
             and bool(getattr(lib, f"ggml_cpu_has_{feature}")()) and "CPU_REPACK" in cpu_extra_buffer_types())
 
 
-# q6_K weights (the head and some matrices of Q4_K_M drafters) for the same VNNI scheme
-# (vendor/patches/0020): 2-D, whole 256-value blocks, 16-row groups; the codes stored one per byte
+# Our other layouts for that VNNI scheme, in the same buffer: q6_K (the head and some matrices of
+# Q4_K_M drafters; vendor/patches/0020, the codes one per byte), q4_K (most of a Q4_K_M drafter's
+# matrices) and q5_K (0021), q4_0 (0022). Each takes 2-D matrices of whole blocks and 16-row groups;
+# other whole 8-row groups of q4_0 / q4_K go to ggml's own AVX2 layouts.
 Q6_VNNI_PATCH = "0020-cpu-q6_K-avx512-vnni-repack.patch"
-# q4_K weights (most matrices of Q4_K_M drafters) and q5_K ones likewise (vendor/patches/0021): 16-row
-# groups go to our VNNI kernel; other whole 8-row groups of q4_K to ggml's own AVX2 layout
 Q4_Q5_VNNI_PATCH = "0021-cpu-q4_K-q5_K-avx512-vnni-repack.patch"
-_K_VNNI_PATCHES = {"q6_k": Q6_VNNI_PATCH, "q4_k": Q4_Q5_VNNI_PATCH, "q5_k": Q4_Q5_VNNI_PATCH}
+Q4_0_VNNI_PATCH = "0022-cpu-q4_0-avx512-vnni-repack.patch"
+# type -> (patch, values per block)
+VNNI_LAYOUTS = {"q8_0": (VNNI_PATCH, 32), "q4_0": (Q4_0_VNNI_PATCH, 32), "q6_k": (Q6_VNNI_PATCH, 256),
+                "q4_k": (Q4_Q5_VNNI_PATCH, 256), "q5_k": (Q4_Q5_VNNI_PATCH, 256)}
 
 
-def vnni_k_quant_fits(type_name: str, ne: tuple[int, ...]) -> bool:
-    """Can the CPU_REPACK buffer hold this tensor for our VNNI q6_K / q4_K / q5_K kernels (patches
-    0020, 0021) here: 2-D, whole 256-value blocks, 16-row groups?"""
+def vnni_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
+    """Can the CPU_REPACK buffer hold this tensor for one of our VNNI kernels here (VNNI_LAYOUTS: 2-D,
+    whole blocks, 16-row groups, the patch built, AVX512-VNNI)?"""
+    if type_name not in VNNI_LAYOUTS:
+        return False
+    patch, block = VNNI_LAYOUTS[type_name]
     ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
-    patch = _K_VNNI_PATCHES.get(type_name)
-    return (patch is not None and ne4[0] % 256 == 0 and ne4[1] % 16 == 0 and ne4[2:] == (1, 1)
-            and vnni_available() and patch in built_with_patches())
-
-
-def vnni_q6_k_fits(type_name: str, ne: tuple[int, ...]) -> bool:
-    """Can the CPU_REPACK buffer hold this tensor for the VNNI q6_K kernel (patch 0020) here?"""
-    return type_name == "q6_k" and vnni_k_quant_fits(type_name, ne)
+    return (ne4[0] % block == 0 and ne4[1] % 16 == 0 and ne4[2:] == (1, 1) and vnni_available()
+            and patch in built_with_patches())
 
 
 def cpu_repack_kernel(type_name: str, ne: tuple[int, ...]) -> str | None:
     """The kernel the CPU_REPACK buffer would lay this tensor out for here, in words, or None when
-    it cannot hold it: our VNNI kernels for q8_0 (patch 0010), q6_K (0020), q4_K and q5_K (0021), ggml's
-    own interleaved ones for q4_0 and the q4_K shapes ours do not take. The order is ggml's own
-    (src/ggml-cpu/repack.cpp, ggml_repack_get_optimal_repack_type)."""
-    if type_name == "q8_0":
-        return "q8_0 VNNI (patch 0010)" if vnni_fits(type_name, ne) and vnni_available() else None
-    if vnni_k_quant_fits(type_name, ne):
-        return f"{type_name.replace('_k', '_K')} VNNI (patch {_K_VNNI_PATCHES[type_name][:4]})"
+    it cannot hold it: one of our VNNI kernels (VNNI_LAYOUTS), else ggml's own interleaved ones for
+    q4_0 / q4_K. The order is ggml's own (src/ggml-cpu/repack.cpp, ggml_repack_get_optimal_repack_type)."""
+    if vnni_repack_fits(type_name, ne):
+        return f"{type_name.replace('_k', '_K')} VNNI (patch {VNNI_LAYOUTS[type_name][0][:4]})"
     if ggml_repack_fits(type_name, ne):
         return f"ggml's {type_name.replace('_k', '_K')} 8x8 ({GGML_REPACK_TYPES[type_name].upper()})"
     return None
@@ -263,9 +260,8 @@ def cpu_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
 
 def cpu_repack_takes() -> str:
     """What the CPU_REPACK buffer takes on this CPU, in words (for error messages)."""
-    kinds = (["q8_0 with whole 32-value blocks and 16-row groups (VNNI)"] if vnni_available() else [])
-    kinds += [f"{t} with whole 256-value blocks and 16-row groups (VNNI)" for t, patch in _K_VNNI_PATCHES.items()
-              if vnni_available() and patch in built_with_patches()]
+    kinds = [f"{t} with whole {block}-value blocks and 16-row groups (VNNI)" for t, (patch, block) in VNNI_LAYOUTS.items()
+             if vnni_available() and patch in built_with_patches()]
     kinds += [f"{t} with whole 8-row groups" for t, feature in GGML_REPACK_TYPES.items()
               if getattr(lib, f"ggml_cpu_has_{feature}")()]
     return "2-D matrices of " + (", or ".join(kinds) if kinds else "no type")

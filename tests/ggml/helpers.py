@@ -55,3 +55,14 @@ def mul_mat_rows(backend: Backend, wt: Tensor, x: np.ndarray) -> np.ndarray:
                 galloc.alloc_graph(graph)
                 graph.compute(backend)
                 return out.numpy()
+
+
+def quantize_q8_0_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q8_0 of each row in 32-value blocks as the VNNI kernels quantize their activations (patches
+    0010, 0022): (f16 scales as f32 [rows, blocks], int32 values [rows, blocks, 32]), values rounded
+    to nearest even (ggml's vectorised quantizer; ties are measure-zero here)."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = np.abs(blocks).max(-1) / np.float32(127)
+    inv = np.where(d > 0, 1 / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inv[..., None]).astype(np.int32)
+    return d.astype(np.float16).astype(np.float32), q

@@ -1,11 +1,14 @@
-"""q4_0 / q4_K weights in ggml's CPU_REPACK buffer: ggml's own interleaved kernels (AVX2, AVX-512
-where built for it), the ones llama.cpp runs its q4 drafters on. Without them a published Q4_K
-drafter ran at less than half llama.cpp's speed (benchmarks/README.md).
+"""Quantized weights in ggml's CPU_REPACK buffer besides q8_0 (tests/ggml/test_vnni.py): q4_0 / q4_K /
+q5_K / q6_K on our AVX512-VNNI kernels (vendor/patches/0020-0022) where the matrix has whole 16-row
+groups, q4_0 / q4_K on ggml's own interleaved AVX2 kernels (the ones llama.cpp runs) on other whole
+8-row groups or CPUs without VNNI. Without them a published Q4_K drafter ran at less than half
+llama.cpp's speed (benchmarks/README.md).
 
-Checked: our placement rule (capabilities.cpu_repack_fits) is ggml's own choice of layout for
-every 2-D shape (a tensor placed there without a layout would crash ggml on upload); products on
-the repacked layout agree with ggml's ordinary kernels for the row counts of a draft step; a
-whole q4_K drafter's steps agree with its unrepacked twin and with the float64 reference.
+Checked: our placement rule (capabilities.cpu_repack_fits / cpu_repack_kernel) is ggml's own choice
+of layout and kernel for every 2-D shape (a tensor placed there without a layout would crash ggml on
+upload); products on the repacked layouts agree with ggml's ordinary kernels for the row counts of a
+draft step, and our kernels with their own arithmetic in float64 (the codes decoded independently
+of ggml); a whole q4_K drafter's steps agree with its unrepacked twin and with the float64 reference.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.ggml import (GGML_REPACK_TYPES, Buffer, Context, cpu_extra_buffer_types, cpu_repack_fits, cpu_repack_kernel,
                              dequantize, ffi, ggml_repack_fits, lib, quantize)
-from pyggml_dkv.ggml.capabilities import vnni_k_quant_fits
+from pyggml_dkv.ggml.capabilities import vnni_repack_fits
 from pyggml_dkv.model.backend_weights import BackendWeights, repack_buffer
-from tests.ggml.helpers import mul_mat_rows
+from tests.ggml.helpers import mul_mat_rows, quantize_q8_0_rows
 
 def product_in(cpu, kind: str | None, ty: str, raw: np.ndarray, shape: tuple[int, int], x: np.ndarray) -> np.ndarray:  # noqa: ANN001
     """x times the (out, in) `ty` matrix of blocks `raw`, uploaded to the `kind` buffer (None: ordinary)."""
@@ -116,7 +119,7 @@ def test_q4_k_drafter_steps_on_the_repacked_kernels(cpu, tmp_path):
             n_q4 = sum(t.type == "q4_k" for t in bw.tensors.values())
             assert n_q4 > 0
             assert bw.n_repacked == (n_q4 if repack else 0) and bw.repack_kinds == (("CPU_REPACK",) if repack else ())
-            if repack and vnni_k_quant_fits("q4_k", (256, 16)):  # every toy matrix has whole 16-row groups
+            if repack and vnni_repack_fits("q4_k", (256, 16)):  # every toy matrix has whole 16-row groups
                 assert {cpu_repack_kernel("q4_k", t.ne) for t in bw.tensors.values() if t.type == "q4_k"} == {"q4_K VNNI (patch 0021)"}
             ring = FeatureRing(cap + 3 * cfg.block_size, cfg.fc_in)
             with DraftKvCache(bw, cpu, cap, cache_type="f32") as cache:
@@ -128,9 +131,10 @@ def test_q4_k_drafter_steps_on_the_repacked_kernels(cpu, tmp_path):
                     assert relative_error(got, want) < 5e-2, (repack, committed)
 
 
-# ------------------------------------------------------ q6_K, q4_K and q5_K on AVX512-VNNI (0020, 0021)
-needs_k_vnni = pytest.mark.skipif(not all(vnni_k_quant_fits(t, (256, 16)) for t in ("q6_k", "q4_k", "q5_k")),
-                                  reason="no VNNI K-quant kernels here (patches 0020, 0021 / AVX512-VNNI)")
+# ------------------------------------------- q6_K, q4_K, q5_K and q4_0 on AVX512-VNNI (0020, 0021, 0022)
+VNNI_TYPES = ["q6_k", "q4_k", "q5_k", "q4_0"]
+needs_k_vnni = pytest.mark.skipif(not all(vnni_repack_fits(t, (256, 16)) for t in VNNI_TYPES),
+                                  reason="no VNNI kernels for these types here (patches 0020-0022 / AVX512-VNNI)")
 
 
 def _q6_k_blocks(raw: np.ndarray, n_rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -208,6 +212,24 @@ def _kmin_vnni_exact(ty: str, raw: np.ndarray, n_rows: int, x: np.ndarray) -> np
     return (per_block * db[:, None, :].astype(np.float64)).sum(-1)
 
 
+def _q4_0_blocks(raw: np.ndarray, n_rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """q4_0 blocks (18 bytes: f16 d, qs[16]; value j < 16 the low nibble of qs[j], j >= 16 the high
+    one of qs[j - 16]) decoded independently of ggml: (codes 0..15 [rows, k], d [rows, k // 32])."""
+    blocks = raw.reshape(n_rows, k // 32, 18)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 2:].astype(np.int32)
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n_rows, k), d
+
+
+def _q4_0_vnni_exact(raw: np.ndarray, n_rows: int, x: np.ndarray) -> np.ndarray:
+    """0022's arithmetic in float64 (ggml's q4_0 x q8_0): activations as q8_0, per 32-value block
+    f16(dw) * f16(dx) * the exact sum((code - 8) * qx)."""
+    codes, dw = _q4_0_blocks(raw, n_rows, x.shape[1])
+    dx, qx = quantize_q8_0_rows(x)
+    cw = codes.reshape(n_rows, -1, 32).astype(np.float64) - 8
+    return np.einsum("rb,ob,rbi,obi->ro", dx.astype(np.float64), dw.astype(np.float64), qx.astype(np.float64), cw)
+
+
 @needs_k_vnni
 def test_q6_k_codes_decode_to_ggmls_values():
     """The layout's source of truth: our decoding of the q6_K codes gives ggml's dequantized values."""
@@ -216,6 +238,16 @@ def test_q6_k_codes_decode_to_ggmls_values():
     codes, scales, d = _q6_k_blocks(raw, 4, 512)
     values = np.repeat(d, 256, axis=1) * np.repeat(scales, 16, axis=1).astype(np.float32) * (codes - 32)
     np.testing.assert_array_equal(values.astype(np.float32), dequantize("q6_k", raw, 4 * 512).reshape(4, 512))
+
+
+@needs_k_vnni
+def test_q4_0_codes_decode_to_ggmls_values():
+    rng = np.random.default_rng(8)
+    raw = quantize("q4_0", rng.standard_normal((4, 512)).astype(np.float32))
+    codes, d = _q4_0_blocks(raw, 4, 512)
+    assert codes.min() >= 0 and codes.max() <= 15
+    np.testing.assert_array_equal((np.repeat(d, 32, axis=1) * (codes - 8)).astype(np.float32),
+                                  dequantize("q4_0", raw, 4 * 512).reshape(4, 512))
 
 
 @needs_k_vnni
@@ -234,14 +266,14 @@ def test_q4_k_q5_k_codes_decode_to_ggmls_values(ty):
 
 
 @needs_k_vnni
-@pytest.mark.parametrize("ty", ["q6_k", "q4_k", "q5_k"])
-def test_k_quant_vnni_product_is_its_exact_arithmetic(ty):
+@pytest.mark.parametrize("ty", VNNI_TYPES)
+def test_vnni_product_is_its_exact_arithmetic(ty):
     """Row counts of a draft step (1 .. 34: tiles of 8 / 4 / 2 / 1), several 16-row groups and
     256-value blocks: within f32 rounding of the kernel's own arithmetic in float64, equal to the bit
     for 1, 2 or 3 threads (one thread per output), and near ggml's ordinary K-quant x q8_K product."""
     from pyggml_dkv.ggml import Backend
 
-    exact = _q6_vnni_exact if ty == "q6_k" else functools.partial(_kmin_vnni_exact, ty)
+    exact = {"q6_k": _q6_vnni_exact, "q4_0": _q4_0_vnni_exact}.get(ty, functools.partial(_kmin_vnni_exact, ty))
     rng = np.random.default_rng(11)
     n_out, k = 48, 768
     raw = quantize(ty, rng.standard_normal((n_out, k)).astype(np.float32))
@@ -256,13 +288,13 @@ def test_k_quant_vnni_product_is_its_exact_arithmetic(ty):
         for got in by_threads[1:]:
             np.testing.assert_array_equal(got, by_threads[0])
         assert relative_error(by_threads[0], exact(raw, n_out, x)) < 1e-6, rows
-        # ggml's q8_K rounds some ties the other way (q6_K: 2e-3; q4_K / q5_K measured 2-4e-7)
+        # ggml's q8_K rounds some ties the other way (q6_K: 2e-3; q4_K / q5_K / q4_0 measured 2-4e-7)
         assert relative_error(by_threads[0], ordinary) < (2e-3 if ty == "q6_k" else 1e-5), rows
 
 
 @needs_k_vnni
-@pytest.mark.parametrize("ty", ["q6_k", "q4_k", "q5_k"])
-def test_k_quant_vnni_non_finite_rows_stay_non_finite(cpu, ty):
+@pytest.mark.parametrize("ty", VNNI_TYPES)
+def test_vnni_non_finite_rows_stay_non_finite(cpu, ty):
     """A NaN or inf in an activation row makes that row's outputs NaN, as f32 arithmetic would; the
     other rows are untouched."""
     rng = np.random.default_rng(12)
@@ -281,7 +313,7 @@ def test_k_quant_vnni_non_finite_rows_stay_non_finite(cpu, ty):
 def test_named_kernel_is_the_one_ggml_picks(cpu):
     """cpu_repack_kernel names the layout ggml chooses: ggml keeps one traits object per kernel in
     each tensor's `extra`, so two shapes share a kernel exactly when their pointers are equal
-    (q4_K: 16-row groups on our VNNI kernel, other 8-row groups on ggml's AVX2 one)."""
+    (q4_0 / q4_K: 16-row groups on our VNNI kernels, other 8-row groups on ggml's AVX2 ones)."""
     buft = cpu_extra_buffer_types()["CPU_REPACK"]
     picked: dict[tuple[str, tuple[int, int]], int] = {}
     for ty in ("q4_k", "q5_k", "q6_k", "q8_0", "q4_0"):
@@ -294,7 +326,8 @@ def test_named_kernel_is_the_one_ggml_picks(cpu):
                 finally:
                     lib.ggml_backend_buffer_free(buf)
     named = {key: cpu_repack_kernel(*key) for key in picked}
-    assert named["q4_k", (256, 16)] == "q4_K VNNI (patch 0021)" and named["q4_k", (256, 24)].startswith("ggml's")
+    for ty, patch in (("q4_k", "0021"), ("q4_0", "0022")):
+        assert named[ty, (256, 16)] == f"{ty.replace('_k', '_K')} VNNI (patch {patch})" and named[ty, (256, 24)].startswith("ggml's")
     for a in picked:
         for b in picked:
             if picked[a] and picked[b]:

@@ -16,7 +16,7 @@ from pyggml_dkv.model.backend_weights import BackendWeights, default_weight_dtyp
 from pyggml_dkv.ggml import (Backend, Buffer, Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types,
                              cpu_features, cpu_repack_fits, vnni_available, vnni_fits)
 from pyggml_dkv.common.numeric import relative_error
-from tests.ggml.helpers import mul_mat_rows
+from tests.ggml.helpers import mul_mat_rows, quantize_q8_0_rows
 
 # on a CPU with AMX the AMX buffer wins; PYGGML_DKV_NO_AMX=1 lets these tests run there too
 needs_vnni = pytest.mark.skipif(not vnni_available() or amx_available(),
@@ -26,20 +26,10 @@ CFG = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn
                   n_target_layers=2, vocab=96)
 
 
-def _q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """q8_0 of each row in 32-value blocks as the kernel quantizes: (f16 scales as f32, int8 values),
-    values rounded to nearest even (ggml's vectorised quantizer; ties are measure-zero here)."""
-    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
-    d = np.abs(blocks).max(-1) / np.float32(127)
-    inv = np.where(d > 0, 1 / np.where(d > 0, d, 1), 0).astype(np.float32)
-    q = np.rint(blocks * inv[..., None]).astype(np.int32)
-    return d.astype(np.float16).astype(np.float32), q
-
-
 def _exact(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """The exact q8_0 x q8_0 arithmetic in float64: int8 dot products per block times both scales."""
-    dw, qw = _q8_0(w)
-    dx, qx = _q8_0(x)
+    dw, qw = quantize_q8_0_rows(w)
+    dx, qx = quantize_q8_0_rows(x)
     return np.einsum("rb,ob,rbi,obi->ro", dx.astype(np.float64), dw.astype(np.float64),
                      qx.astype(np.float64), qw.astype(np.float64))
 
