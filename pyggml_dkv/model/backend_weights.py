@@ -46,9 +46,9 @@ def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: i
 
 def repack_buffer(backend: Backend, dtype: str, out_features: int, in_features: int) -> str | None:
     """The repacking buffer type an (out, in) `dtype` matrix that is only ever multiplied goes to:
-    "AMX" (ggml's AMX kernels), else "CPU_REPACK" (q8_0, q6_K, q4_K on AVX512-VNNI, vendor/patches/0010,
-    0020, 0021; q4_0 on AVX2, ggml's own kernel: capabilities.cpu_repack_kernel), else None (an ordinary
-    buffer)."""
+    "AMX" (ggml's AMX kernels), else "CPU_REPACK" (our AVX512-VNNI kernels for q8_0 / q4_0 / q4_K /
+    q5_K / q6_K, vendor/patches/0010, 0020-0022; ggml's own AVX2 ones for other q4_0 / q4_K shapes:
+    capabilities.cpu_repack_kernel), else None (an ordinary buffer)."""
     if amx_eligible(backend, dtype, out_features, in_features):
         return "AMX"
     if backend.is_cpu and cpu_repack_fits(dtype, (in_features, out_features)):
