@@ -367,3 +367,22 @@ def test_vnni_products_of_batched_rows(cpu, ty):
             alone = np.stack([mul_mat_rows(cpu, wt, x[s]) for s in range(seqs)])
     assert batched.shape == (seqs, rows, n_out)
     np.testing.assert_array_equal(batched, alone)
+
+
+@needs_repack
+def test_kernel_rule_on_cpus_without_vnni_or_without_our_patches(monkeypatch):
+    """The rule's other branches, on this machine's ggml: without AVX512-VNNI (AVX2 only) our layouts
+    are off and q4_0 / q4_K fall back to ggml's, q5_K / q6_K / q8_0 stay in ordinary buffers; a
+    build without patch 0022 (a ggml of one's own) keeps q4_0 on ggml's layout."""
+    from pyggml_dkv.ggml import capabilities
+
+    monkeypatch.setattr(capabilities, "vnni_available", lambda: False)
+    assert cpu_repack_kernel("q4_k", (256, 16)) == "ggml's q4_K 8x8 (AVX2)"
+    assert cpu_repack_kernel("q4_0", (256, 16)) == "ggml's q4_0 8x8 (AVX2)"
+    assert [cpu_repack_kernel(t, (256, 16)) for t in ("q5_k", "q6_k", "q8_0")] == [None, None, None]
+    monkeypatch.undo()
+    without = tuple(p for p in capabilities.built_with_patches() if not p.startswith("0022"))
+    monkeypatch.setattr(capabilities, "built_with_patches", lambda: without)
+    assert cpu_repack_kernel("q4_0", (256, 16)) == "ggml's q4_0 8x8 (AVX2)"
+    assert cpu_repack_kernel("q4_k", (256, 16)) == ("q4_K VNNI (patch 0021)" if capabilities.vnni_available() else
+                                                    "ggml's q4_K 8x8 (AVX2)")
