@@ -69,10 +69,10 @@ class BackendWeights:
     buffer, which lays them out for its int8 tile kernels as they are uploaded; on a CPU without
     AMX but with AVX512-VNNI, to the CPU_REPACK buffer for the VNNI kernel of vendor/patches/0010
     (both much faster than the generic q8_0 path: benchmarks/README.md). With `dtype="native"`, a
-    file's q6_K / q4_K matrices go there too for our VNNI kernels (vendor/patches/0020, 0021), and its
-    q4_0 ones (and q4_K ones without VNNI) for ggml's interleaved AVX2 kernels, as llama.cpp runs them
-    (`capabilities.cpu_repack_kernel` says which). Those tensors cannot be read back
-    (`Tensor.numpy()` raises); `host` still has the values.
+    file's q4_0 / q4_K / q5_K / q6_K matrices go there too, for our VNNI kernels of those types
+    (vendor/patches/0020-0022), or for ggml's interleaved AVX2 kernels (q4_0 / q4_K shapes ours do not
+    take, CPUs without VNNI) as llama.cpp runs them (`capabilities.cpu_repack_kernel` says which).
+    Those tensors cannot be read back (`Tensor.numpy()` raises); `host` still has the values.
     """
 
     def __init__(self, weights: "DraftWeights", backend: Backend, dtype: str = "auto", repack: bool = True) -> None:

@@ -133,7 +133,7 @@ def test_q4_k_drafter_steps_on_the_repacked_kernels(cpu, tmp_path):
 
 # ------------------------------------------- q6_K, q4_K, q5_K and q4_0 on AVX512-VNNI (0020, 0021, 0022)
 VNNI_TYPES = ["q6_k", "q4_k", "q5_k", "q4_0"]
-needs_k_vnni = pytest.mark.skipif(not all(vnni_repack_fits(t, (256, 16)) for t in VNNI_TYPES),
+needs_vnni_layouts = pytest.mark.skipif(not all(vnni_repack_fits(t, (256, 16)) for t in VNNI_TYPES),
                                   reason="no VNNI kernels for these types here (patches 0020-0022 / AVX512-VNNI)")
 
 
@@ -230,7 +230,7 @@ def _q4_0_vnni_exact(raw: np.ndarray, n_rows: int, x: np.ndarray) -> np.ndarray:
     return np.einsum("rb,ob,rbi,obi->ro", dx.astype(np.float64), dw.astype(np.float64), qx.astype(np.float64), cw)
 
 
-@needs_k_vnni
+@needs_vnni_layouts
 def test_q6_k_codes_decode_to_ggmls_values():
     """The layout's source of truth: our decoding of the q6_K codes gives ggml's dequantized values."""
     rng = np.random.default_rng(8)
@@ -240,8 +240,9 @@ def test_q6_k_codes_decode_to_ggmls_values():
     np.testing.assert_array_equal(values.astype(np.float32), dequantize("q6_k", raw, 4 * 512).reshape(4, 512))
 
 
-@needs_k_vnni
+@needs_vnni_layouts
 def test_q4_0_codes_decode_to_ggmls_values():
+    """Likewise for q4_0: d * (code - 8), ggml's values to the bit."""
     rng = np.random.default_rng(8)
     raw = quantize("q4_0", rng.standard_normal((4, 512)).astype(np.float32))
     codes, d = _q4_0_blocks(raw, 4, 512)
@@ -250,7 +251,7 @@ def test_q4_0_codes_decode_to_ggmls_values():
                                   dequantize("q4_0", raw, 4 * 512).reshape(4, 512))
 
 
-@needs_k_vnni
+@needs_vnni_layouts
 @pytest.mark.parametrize("ty", ["q4_k", "q5_k"])
 def test_q4_k_q5_k_codes_decode_to_ggmls_values(ty):
     """Likewise for q4_K / q5_K: d * scale * code - dmin * min, to the last bit f32 allows (ggml may
@@ -265,12 +266,12 @@ def test_q4_k_q5_k_codes_decode_to_ggmls_values(ty):
                                atol=2e-7 * np.abs(values).max())
 
 
-@needs_k_vnni
+@needs_vnni_layouts
 @pytest.mark.parametrize("ty", VNNI_TYPES)
 def test_vnni_product_is_its_exact_arithmetic(ty):
     """Row counts of a draft step (1 .. 34: tiles of 8 / 4 / 2 / 1), several 16-row groups and
     256-value blocks: within f32 rounding of the kernel's own arithmetic in float64, equal to the bit
-    for 1, 2 or 3 threads (one thread per output), and near ggml's ordinary K-quant x q8_K product."""
+    for 1, 2 or 3 threads (one thread per output), and near ggml's ordinary product of the type."""
     from pyggml_dkv.ggml import Backend
 
     exact = {"q6_k": _q6_vnni_exact, "q4_0": _q4_0_vnni_exact}.get(ty, functools.partial(_kmin_vnni_exact, ty))
@@ -292,7 +293,7 @@ def test_vnni_product_is_its_exact_arithmetic(ty):
         assert relative_error(by_threads[0], ordinary) < (2e-3 if ty == "q6_k" else 1e-5), rows
 
 
-@needs_k_vnni
+@needs_vnni_layouts
 @pytest.mark.parametrize("ty", VNNI_TYPES)
 def test_vnni_non_finite_rows_stay_non_finite(cpu, ty):
     """A NaN or inf in an activation row makes that row's outputs NaN, as f32 arithmetic would; the
@@ -309,7 +310,7 @@ def test_vnni_non_finite_rows_stay_non_finite(cpu, ty):
     assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
 
 
-@needs_k_vnni
+@needs_vnni_layouts
 def test_named_kernel_is_the_one_ggml_picks(cpu):
     """cpu_repack_kernel names the layout ggml chooses: ggml keeps one traits object per kernel in
     each tensor's `extra`, so two shapes share a kernel exactly when their pointers are equal
@@ -336,7 +337,7 @@ def test_named_kernel_is_the_one_ggml_picks(cpu):
 
 
 
-@needs_k_vnni
+@needs_vnni_layouts
 @pytest.mark.parametrize("ty", ["q8_0"] + VNNI_TYPES)
 def test_vnni_products_of_batched_rows(cpu, ty):
     """Activations as a 3-D batch (rows x 3 sequences): the kernels flatten them in ggml's row order
