@@ -57,11 +57,14 @@ import numpy as np  # noqa: E402
 from pyggml_dkv import Backend, DraftKvCache, FeatureRing  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp.native_dflash import llama_cpp_available, llama_dflash_bench  # noqa: E402
 from pyggml_dkv.hosts.smollm2 import smollm2_gguf  # noqa: E402
+from pyggml_dkv.ggml import cpu_repack_kernel  # noqa: E402
+from pyggml_dkv.model.backend_weights import repack_buffer  # noqa: E402
 from pyggml_dkv.model.config import DraftConfig  # noqa: E402
 from pyggml_dkv.model.stored import upload_stored  # noqa: E402
 from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
 
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py: this script's folder is on sys.path)
+from step_probes import kernels_used  # noqa: E402
 
 log = logging.getLogger("bench_llama_cpp")
 
@@ -146,6 +149,22 @@ class Ours:
                 out[name][W] = sm
         return out, agreement
 
+    def kernels(self) -> dict[str, int]:
+        """Which kernel runs each of our matrix products (the head's included): description -> count."""
+        counts: dict[str, int] = {}
+        for t in [t for t in self.bw.tensors.values() if t.ne[1] > 1] + [self.head]:
+            buffer = repack_buffer(self.backend, t.type, t.ne[1], t.ne[0]) if t.is_repacked else None
+            if buffer == "CPU_REPACK":
+                kernel = cpu_repack_kernel(t.type, t.ne)
+            elif buffer == "AMX":
+                kernel = f"{t.type} on ggml's AMX int8 tiles"
+            elif t.type in ("f16", "bf16"):
+                kernel = kernels_used(t.type, None, "f32")["matmul"]
+            else:
+                kernel = f"ggml's {t.type} product (ordinary buffer)"
+            counts[kernel] = counts.get(kernel, 0) + 1
+        return counts
+
     def close(self) -> None:
         for obj in (self.emb_buf, self.emb.ctx, self.head_buf, self.head.ctx, self.bw, self.backend):
             obj.close()
@@ -170,7 +189,8 @@ def report(results: dict, args: argparse.Namespace) -> None:
           f"load average {results['load_avg_start'][0]:.1f} at the start; median ms (p10)")
     systems = ("ours_logits", "ours_ids", "llama_fa", "llama_nofa")
     for dtype, res in results["runs"].items():
-        print(f"\nweights {dtype}")
+        print(f"\nweights {dtype}; our products: "
+              + ", ".join(f"{k} x{n}" for k, n in results.get("kernels", {}).get(dtype, {}).items()))
         print(f"{'W':>6} " + " ".join(f"{s:>17}" for s in systems) + f" {'ours/best llama (p10)':>21} {'ids/best':>9}")
         for W in args.windows:
             cells = []
@@ -238,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         for dtype in args.dtypes:
             path = write_drafter(dtype, Path(tmp))
             ours = Ours(path, args.threads)
+            results.setdefault("kernels", {})[dtype] = ours.kernels()
             samples: dict[str, dict[int, list[float]]] = {}
             try:
                 # rounds alternate the two sides, so machine noise hits both alike
