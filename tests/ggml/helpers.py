@@ -43,7 +43,8 @@ def compute(backend: Backend, specs: list[tuple[str, np.ndarray]], build, graph_
 
 
 def mul_mat_rows(backend: Backend, wt: Tensor, x: np.ndarray) -> np.ndarray:
-    """x (rows, k) f32 times an uploaded weight tensor wt [k, n_out] (e.g. repacked): (rows, n_out)."""
+    """x (rows, k) f32, or a batch (seqs, rows, k), times an uploaded weight tensor wt [k, n_out]
+    (e.g. repacked): (rows, n_out) / (seqs, rows, n_out)."""
     with Context(n_tensors=1) as ctx, Context(n_tensors=4, graph_size=4) as g:
         xt = ctx.new_tensor("f32", *reversed(x.shape))
         with Buffer.alloc_ctx_tensors(ctx, backend):

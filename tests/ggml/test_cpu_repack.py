@@ -344,28 +344,12 @@ def test_vnni_products_of_batched_rows(cpu, ty):
     and write each output row where ggml's own kernel would, here checked against each sequence's
     product alone. (Rows with gaps between their values never reach the kernels: ops.mul_mat
     refuses a b without packed rows.)"""
-    from pyggml_dkv.ggml import Gallocr, Graph
-
     rng = np.random.default_rng(13)
     n_out, k, rows, seqs = 32, 512, 5, 3
     raw = quantize(ty, rng.standard_normal((n_out, k)).astype(np.float32))
     x = rng.standard_normal((seqs, rows, k)).astype(np.float32)
-    with Context(n_tensors=1) as wc, Context(n_tensors=1) as xc, Context(n_tensors=4, graph_size=4) as g:
-        wt = wc.new_tensor(ty, k, n_out, name="w")
-        xt = xc.new_tensor("f32", k, rows, seqs, name="x")
-        with Buffer.alloc_ctx_tensors_from_buft(wc, cpu_extra_buffer_types()["CPU_REPACK"], cpu), \
-                Buffer.alloc_ctx_tensors(xc, cpu):
-            wt.set_bytes(raw)
-            assert wt.is_repacked
-            xt.set(x)
-            graph = Graph(g, 4)
-            out = g.mul_mat(wt, xt)
-            graph.expand(out)
-            with Gallocr(cpu) as galloc:
-                galloc.alloc_graph(graph)
-                graph.compute(cpu)
-                batched = out.numpy()
-            alone = np.stack([mul_mat_rows(cpu, wt, x[s]) for s in range(seqs)])
+    batched = product_in(cpu, "CPU_REPACK", ty, raw, (n_out, k), x)
+    alone = np.stack([product_in(cpu, "CPU_REPACK", ty, raw, (n_out, k), x[s]) for s in range(seqs)])
     assert batched.shape == (seqs, rows, n_out)
     np.testing.assert_array_equal(batched, alone)
 
