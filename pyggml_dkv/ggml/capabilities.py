@@ -184,14 +184,8 @@ def amx_available() -> bool:
 
 # q8_0 weights repacked for an AVX512-VNNI kernel in ggml's CPU_REPACK buffer (vendor/patches/0010):
 # the fast q8_0 path of CPUs without AMX (AMD Zen 4/5, Intel Ice Lake .. Cascade Lake with VNNI).
-# Its layout groups 16 output rows, so matrices need out % 16 == 0 and in % 32 == 0.
+# Its layout groups 16 output rows, so matrices need out % 16 == 0 and in % 32 == 0 (vnni_fits).
 VNNI_PATCH = "0010-cpu-q8_0-avx512-vnni-repack.patch"
-
-
-def vnni_fits(type_name: str, ne: tuple[int, ...]) -> bool:
-    """Can the CPU_REPACK buffer hold this tensor for the VNNI q8_0 kernel (2-D q8_0, ne0 % 32, ne1 % 16)?"""
-    ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
-    return type_name == "q8_0" and ne4[0] % 32 == 0 and ne4[1] % 16 == 0 and ne4[2:] == (1, 1)
 
 
 def vnni_available() -> bool:
@@ -231,15 +225,19 @@ VNNI_LAYOUTS = {"q8_0": (VNNI_PATCH, 32), "q4_0": (Q4_0_VNNI_PATCH, 32), "q6_k":
                 "q4_k": (Q4_Q5_VNNI_PATCH, 256), "q5_k": (Q4_Q5_VNNI_PATCH, 256)}
 
 
-def vnni_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
-    """Can the CPU_REPACK buffer hold this tensor for one of our VNNI kernels here (VNNI_LAYOUTS: 2-D,
-    whole blocks, 16-row groups, the patch built, AVX512-VNNI)?"""
+def vnni_fits(type_name: str, ne: tuple[int, ...]) -> bool:
+    """Has this tensor the shape our VNNI layouts take (VNNI_LAYOUTS: a listed type, 2-D, whole
+    blocks, 16-row groups), whatever this CPU and build offer?"""
     if type_name not in VNNI_LAYOUTS:
         return False
-    patch, block = VNNI_LAYOUTS[type_name]
     ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
-    return (ne4[0] % block == 0 and ne4[1] % 16 == 0 and ne4[2:] == (1, 1) and vnni_available()
-            and patch in built_with_patches())
+    return ne4[0] % VNNI_LAYOUTS[type_name][1] == 0 and ne4[1] % 16 == 0 and ne4[2:] == (1, 1)
+
+
+def vnni_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
+    """Can the CPU_REPACK buffer hold this tensor for one of our VNNI kernels here: vnni_fits, the
+    type's patch built, AVX512-VNNI?"""
+    return vnni_fits(type_name, ne) and vnni_available() and VNNI_LAYOUTS[type_name][0] in built_with_patches()
 
 
 def cpu_repack_kernel(type_name: str, ne: tuple[int, ...]) -> str | None:

@@ -14,7 +14,7 @@ from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing
 from pyggml_dkv import reference as R
 from pyggml_dkv.model.backend_weights import BackendWeights, default_weight_dtype, repack_buffer, upload_matrix
 from pyggml_dkv.ggml import (Backend, Buffer, Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types,
-                             cpu_features, cpu_repack_fits, vnni_available, vnni_fits)
+                             cpu_features, cpu_repack_fits, vnni_available)
 from pyggml_dkv.common.numeric import relative_error
 from tests.ggml.helpers import mul_mat_rows, quantize_q8_0_rows
 
