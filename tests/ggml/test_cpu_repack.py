@@ -271,7 +271,8 @@ def test_q4_k_q5_k_codes_decode_to_ggmls_values(ty):
 def test_vnni_product_is_its_exact_arithmetic(ty):
     """Row counts of a draft step (1 .. 34: tiles of 8 / 4 / 2 / 1), several 16-row groups and
     256-value blocks: within f32 rounding of the kernel's own arithmetic in float64, equal to the bit
-    for 1, 2 or 3 threads (one thread per output), and near ggml's ordinary product of the type."""
+    for 1, 2 or 3 threads (one thread per output; 3 groups: one thread takes groups 0-1 as a pair,
+    patch 0023, three threads one each), and near ggml's ordinary product of the type."""
     from pyggml_dkv.ggml import Backend
 
     exact = {"q6_k": _q6_vnni_exact, "q4_0": _q4_0_vnni_exact}.get(ty, functools.partial(_kmin_vnni_exact, ty))

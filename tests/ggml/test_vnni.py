@@ -57,6 +57,26 @@ def test_vnni_product_at_every_row_count(n_threads):
 
 
 @needs_vnni
+def test_vnni_product_does_not_depend_on_the_thread_count():
+    """Each thread takes its 16-row weight groups two at a time (patch 0023: one broadcast activation
+    word feeds both groups' vpdpbusd) and a last odd group alone; with 1, 2, 3 or 5 threads the same
+    groups fall into pairs or stay alone, and every output must be the same to the bit."""
+    rng = np.random.default_rng(9)
+    n_out, k = 80, 352  # 5 groups: 1 thread pairs 0-1 and 2-3, 5 threads none
+    w = rng.standard_normal((n_out, k)).astype(np.float32)
+    for rows in (1, 5, 9, 16, 34):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        outs = []
+        for n_threads in (1, 2, 3, 5):
+            with Backend("cpu", n_threads=n_threads) as backend:
+                wt, wbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=True)
+                outs.append(mul_mat_rows(backend, wt, x))
+                wbuf.close()
+        for got in outs[1:]:
+            np.testing.assert_array_equal(got, outs[0])
+
+
+@needs_vnni
 def test_vnni_matches_generic_q8_0_bit_for_bit_on_integer_data():
     """Values that quantize exactly (small integers, scale 1/127 * amax) make every f32 sum exact, so
     the VNNI kernel and ggml's generic q8_0 path must agree to the bit, including the extreme weight
