@@ -13,14 +13,15 @@ from pyggml_dkv.ggml import Backend, Buffer, Context, Gallocr, Graph
 
 def run() -> None:
     backend = Backend("cpu", n_threads=2)
-    x = np.random.default_rng(0).standard_normal((2048, 4096)).astype(np.float32)
-    with Context(n_tensors=1) as ctx, Context(n_tensors=64, graph_size=64) as g:
-        t = ctx.new_tensor("f32", 4096, 2048)
+    x = np.random.default_rng(0).standard_normal((1, 1 << 23)).astype(np.float32)
+    with Context(n_tensors=1) as ctx, Context(n_tensors=128, graph_size=128) as g:
+        t = ctx.new_tensor("f32", 1 << 23, 1)
         with Buffer.alloc_ctx_tensors(ctx, backend):
             t.set(x)
-            graph = Graph(g, 64)
-            # argmax is computed by one thread (ggml's n_tasks = 1): the other waits at each node's barrier
-            outs = [g.argmax(t) for _ in range(24)]
+            graph = Graph(g, 128)
+            # the argmax of one row is computed by one thread (patch 0024 gives each thread whole rows):
+            # the other waits at each node's barrier
+            outs = [g.argmax(t) for _ in range(96)]
             for o in outs:
                 graph.expand(o)
             graph.expand(g.add(t, t))  # a node both threads work on, so the graph runs on 2 threads

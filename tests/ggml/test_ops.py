@@ -520,3 +520,48 @@ def test_argmax(be, rng):
     np.testing.assert_array_equal(got, x.argmax(-1))
 
 
+def _ggml_scalar_argmax(row: np.ndarray) -> int:
+    """ggml_vec_argmax_f32 value by value: max = MAX(max, x) (a > b ? a : b), idx = i where max == x."""
+    best, idx = -np.inf, 0
+    for i, v in enumerate(row.tolist()):
+        best = best if best > v else v
+        if best == v:
+            idx = i
+    return idx
+
+
+def _argmax_rows(rng: np.random.Generator, width: int) -> np.ndarray:
+    """Rows that tell the last index of the maximum from the first, across the kernel's 16-value
+    lanes, its 4 chains and its tail: ties, +-inf, signed zeros, all -inf, NaN in several places."""
+    rows = [rng.standard_normal(width).astype(np.float32) for _ in range(3)]
+    tie = rng.standard_normal(width).astype(np.float32)
+    tie[rng.choice(width, size=min(width, 3), replace=False)] = 7.0  # the maximum three times
+    rows.append(tie)
+    rows.append(np.full(width, -np.inf, np.float32))
+    zeros = np.where(rng.random(width) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+    zeros[: width // 2] = -1.0
+    rows.append(zeros)  # the maximum is zero, stored as -0.0 or +0.0
+    inf = rng.standard_normal(width).astype(np.float32)
+    inf[[0, width - 1]] = np.inf
+    rows.append(inf)
+    for at in sorted({0, width // 2, width - 1}):
+        nan = rng.standard_normal(width).astype(np.float32)
+        nan[at] = np.nan
+        rows.append(nan)
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_argmax_is_ggmls_last_index_of_the_maximum(n_threads, rng):
+    """ggml's argmax returns the last index of a row's maximum (and, with a NaN, whatever its scalar
+    loop makes of it). Patch 0024 computes it 16 values at a time in 4 chains, the rows split over
+    the threads: the same index for every row, width and thread count, against ggml's loop emulated
+    value by value (rows of 1-200 values, and a vocabulary's 49152)."""
+    with Backend("cpu", n_threads=n_threads) as backend:
+        for width in (1, 15, 16, 17, 63, 64, 65, 100, 129, 200, 49152):
+            x = _argmax_rows(rng, width)
+            got = compute(backend, [("f32", x)], lambda g, t: g.argmax(t))
+            want = [_ggml_scalar_argmax(row) for row in x]
+            np.testing.assert_array_equal(got, want, err_msg=f"width {width}")
+
+
