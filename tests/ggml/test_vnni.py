@@ -41,19 +41,22 @@ def test_vnni_product_at_every_row_count(n_threads):
     rows = 16 + 16 + 2) and a group count that does not split evenly over the threads, against the
     exact q8_0 arithmetic. The only difference allowed is f32 rounding of the per-block sums."""
     rng = np.random.default_rng(7)
-    n_out, k = 80, 352  # 5 groups of 16 output rows, 11 K blocks
-    w = rng.standard_normal((n_out, k)).astype(np.float32)
-    w[3, :32] = 0  # an all-zero block (scale 0)
-    with Backend("cpu", n_threads=n_threads) as backend:
-        wt, wbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=True)
-        assert wt.is_repacked and wbuf.name == "CPU_REPACK"
-        for rows in (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 34, 40, 64, 100):
-            x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)
-            x[0, 32:64] = 0
-            got = mul_mat_rows(backend, wt, x)
-            assert got.shape == (rows, n_out)
-            assert relative_error(got, _exact(w, x)) < 1e-6, (rows, relative_error(got, _exact(w, x)))
-        wbuf.close()
+    # 5 groups of 16 output rows; 1, 11 or 43 K blocks: the threads split the blocks of the rows to
+    # quantize (patch 0025), or the rows where there are fewer blocks than threads
+    for n_out, k in ((80, 32), (80, 352), (80, 1376)):
+        w = rng.standard_normal((n_out, k)).astype(np.float32)
+        w[3, :32] = 0  # an all-zero block (scale 0)
+        with Backend("cpu", n_threads=n_threads) as backend:
+            wt, wbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=True)
+            assert wt.is_repacked and wbuf.name == "CPU_REPACK"
+            for rows in (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 34, 40, 64, 100):
+                x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)
+                x[0, 32:64] = 0  # an all-zero activation block
+                x[-1, 64:96] *= 1e-30  # a block of tiny values: its own scale, far below its neighbours'
+                got = mul_mat_rows(backend, wt, x)
+                assert got.shape == (rows, n_out)
+                assert relative_error(got, _exact(w, x)) < 1e-6, (k, rows, relative_error(got, _exact(w, x)))
+            wbuf.close()
 
 
 @needs_vnni
@@ -82,7 +85,7 @@ def test_vnni_matches_generic_q8_0_bit_for_bit_on_integer_data():
     the VNNI kernel and ggml's generic q8_0 path must agree to the bit, including the extreme weight
     values -127 / +127 (the kernel stores weights + 128 as unsigned bytes)."""
     rng = np.random.default_rng(11)
-    n_out, k = 32, 256
+    n_out, k = 32, 768  # 24 blocks, quantized 12 by each thread (patch 0025)
     w = rng.integers(-127, 128, (n_out, k)).astype(np.float32)
     w[:, ::32] = 127  # every block's amax is 127: scale exactly 1
     w[5, 1::32] = -127
@@ -189,12 +192,14 @@ def test_vnni_non_finite_activations_give_nan_rows(cpu):
     """A NaN or inf among a row's values makes that row's outputs NaN (as f32 arithmetic would; a
     vector max would silently drop the NaN and return finite garbage); other rows are unaffected."""
     rng = np.random.default_rng(4)
-    w = rng.standard_normal((32, 96)).astype(np.float32)
-    x = rng.standard_normal((5, 96)).astype(np.float32)
-    x[0, 5], x[2, 70], x[3, 40] = np.nan, np.inf, -np.inf
-    wt, buf = upload_matrix(cpu, w, "q8_0", "w", matmul_only=True)
-    with buf:
-        got = mul_mat_rows(cpu, wt, x)
-    assert np.isnan(got[[0, 2, 3]]).all()
-    ok = [1, 4]
-    assert relative_error(got[ok], _exact(w, x[ok])) < 1e-6
+    for k in (96, 1024 + 96):  # 3 / 35 blocks, split over the two threads to quantize (patch 0025)
+        w = rng.standard_normal((32, k)).astype(np.float32)
+        x = rng.standard_normal((6, k)).astype(np.float32)
+        x[0, 5], x[2, 70], x[3, 40] = np.nan, np.inf, -np.inf
+        x[5, k - 10] = np.nan  # in the last block
+        wt, buf = upload_matrix(cpu, w, "q8_0", "w", matmul_only=True)
+        with buf:
+            got = mul_mat_rows(cpu, wt, x)
+        assert np.isnan(got[[0, 2, 3, 5]]).all(), k
+        ok = [1, 4]
+        assert relative_error(got[ok], _exact(w, x[ok])) < 1e-6, k
