@@ -273,5 +273,8 @@ const char *pyggml_dkv_built_patches(void);
 /* screened_argmax.c: a ggml_custom_op_t for ggml_custom_4d (pyggml_dkv/ggml/ops_screen.py) */
 void pyggml_dkv_screened_argmax(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
+/* amx_tiles.c: ggml's AMX matmul tile configuration on the calling thread (1 loaded, 0 no AMX) */
+int pyggml_dkv_load_ggml_matmul_tiles(void);
+
 /* Python-side callbacks */
 extern "Python" void _pyggml_log_callback(enum ggml_log_level level, const char * text, void * user_data);

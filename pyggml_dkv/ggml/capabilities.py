@@ -276,3 +276,14 @@ def cpu_features() -> dict[str, bool]:
 
 def version() -> str:
     return ffi.string(lib.ggml_version()).decode()
+
+
+def load_ggml_matmul_tiles() -> bool:
+    """Load the AMX tile configuration ggml's AMX matmuls expect on the calling thread; False (and
+    nothing done) where the CPU or kernel offers no AMX tiles.
+
+    For hosts: ggml's matmuls (llama.cpp's too) load it once per thread and trust it after, while
+    other code on the same thread may release or replace the tiles (oneDNN, i.e. PyTorch's bf16
+    matmuls, releases them; llama.cpp's next batched decode then died of SIGILL). Our own ggml
+    needs no call: it reloads its tiles before each use."""
+    return bool(lib.pyggml_dkv_load_ggml_matmul_tiles())

@@ -184,3 +184,53 @@ def run(case: str, out_path: str, model_path: str = "") -> None:
         result["llama_again"] = greedy(llm)
     result["mapped_ggml_libraries"] = mapped_ggml_libraries()
     Path(out_path).write_text(json.dumps(result, indent=1))
+
+
+def tiles_after_attention(out_path: str, model_path: str) -> None:
+    """llama.cpp's batched decode (its AMX products on AMX CPUs), our bf16 attention (AMX tiles there),
+    the same decode again: both logits' sha256 to `out_path`. One thread, so both run on this one;
+    a prompt of several tokens, since llama.cpp takes AMX for batches only (one token: VNNI)."""
+    import numpy as np
+
+    from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing
+    from pyggml_dkv.hosts.llama_cpp import LlamaTarget
+
+    with LlamaTarget(model_path, n_ctx=N_CTX, n_batch=N_CTX, n_threads=1) as target:
+        tokens = target.tokenize("The quick brown fox jumps over the lazy dog. " * 4)[:40]
+
+        def logits_sha256() -> str:
+            target.clear()
+            return hashlib.sha256(np.ascontiguousarray(target.decode(tokens, logits="all")).tobytes()).hexdigest()
+
+        before = logits_sha256()
+        cfg = DraftConfig(**TOY)
+        rng = np.random.default_rng(1)
+        ring = FeatureRing(max(COMMITS), cfg.fc_in)
+        ring.append(rng.standard_normal((max(COMMITS), cfg.fc_in)).astype(np.float32))
+        noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
+        with Backend("cpu", n_threads=1) as cpu, DraftWeights.random(cfg, seed=0).to_backend(cpu, "f16") as bw, \
+                DraftKvCache(bw, cpu, CAP, attention="bf16") as cache:
+            cache.step(ring, COMMITS[0], noise)
+        Path(out_path).write_text(json.dumps({"before": before, "after": logits_sha256()}))
+
+
+def tiles_after_torch(out_path: str, model_path: str) -> None:
+    """llama.cpp's batched decode, a PyTorch bf16 matmul on this thread (oneDNN on AMX-BF16 where the
+    CPU has it, which releases the tiles after), the same decode again: both logits' sha256."""
+    import numpy as np
+    import torch
+
+    from pyggml_dkv.hosts.llama_cpp import LlamaTarget
+
+    torch.set_num_threads(1)
+    with LlamaTarget(model_path, n_ctx=N_CTX, n_batch=N_CTX, n_threads=1) as target:
+        tokens = target.tokenize("The quick brown fox jumps over the lazy dog. " * 4)[:40]
+
+        def logits_sha256() -> str:
+            target.clear()
+            return hashlib.sha256(np.ascontiguousarray(target.decode(tokens, logits="all")).tobytes()).hexdigest()
+
+        before = logits_sha256()
+        x = torch.randn(64, 512, dtype=torch.bfloat16)
+        float((x @ x.T).float().sum())
+        Path(out_path).write_text(json.dumps({"before": before, "after": logits_sha256()}))

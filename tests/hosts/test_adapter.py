@@ -41,6 +41,7 @@ def test_llama_generate_with_the_adapter() -> None:
         with pytest.raises(HostError, match="call attach"):
             adapter(np.array([1, 2, 3], dtype=np.intc))
         adapter.attach(llm)
+        identical = 0
         for prompt, ref in zip(prompts, refs):  # a second prompt on the same Llama and adapter
             drafter.reference = np.concatenate([prompt, ref.tokens])
             decodes_before = adapter.decodes
@@ -50,8 +51,14 @@ def test_llama_generate_with_the_adapter() -> None:
             # lossless up to batch-shape rounding: equal, or first divergence at a near-tie
             assert diff.size == 0 or ref.gaps[diff[0]] < NEAR_TIE, (diff[0], ref.gaps[diff[0]])
             assert got.size >= min(N_NEW, ref.tokens.size) or diff.size
-            # the drafts were used: far fewer decodes than tokens
-            assert adapter.decodes - decodes_before < 0.6 * got.size
+            if diff.size == 0:
+                # the drafts were used: far fewer decodes than tokens. (After a divergence the oracle,
+                # which drafts the reference, has nothing to offer: on an AMX CPU llama.cpp verifies
+                # batches on AMX and decodes single tokens on VNNI, and the first prompt's second token
+                # is a 0.13 near-tie that the two round differently.)
+                identical += 1
+                assert adapter.decodes - decodes_before < 0.6 * got.size
+        assert identical >= 1
         assert adapter.proposals > 0
         assert max(drafter.lengths) > 0
     finally:

@@ -78,3 +78,27 @@ def test_both_in_one_process_compute_as_when_alone(case, isolated, model_path, t
     assert mixed["trajectory_again"] == ours["trajectory"]
     assert mixed["llama"] == llama["llama"]
     assert mixed["llama_again"] == llama["llama"]
+
+
+def test_llama_cpp_products_after_our_amx_attention(model_path, tmp_path):
+    """Both ggmls share the OpenMP threads; ggml's AMX matmuls load their tile configuration once per
+    thread, our bf16 attention on AMX loads another (patch 0028 puts ggml's back). Without that
+    llama.cpp's next batched decode returned NaN logits on an Emerald Rapids."""
+    out = tmp_path / "tiles.json"
+    proc = run_in_child("tests.hosts.coexistence_cases:tiles_after_attention", str(out), model_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert got["after"] == got["before"]
+
+
+def test_llama_cpp_products_after_pytorch_released_the_tiles(model_path, tmp_path):
+    """PyTorch (oneDNN) releases the AMX tiles of the thread its bf16 matmul ran on, and llama.cpp's
+    AMX matmuls trust the configuration they loaded there once: its next batched decode died of
+    SIGILL (the training pipeline's data generation, after PyTorch ran). LlamaTarget reloads ggml's
+    tile configuration before each decode."""
+    pytest.importorskip("torch")
+    out = tmp_path / "tiles.json"
+    proc = run_in_child("tests.hosts.coexistence_cases:tiles_after_torch", str(out), model_path, timeout=300)
+    assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    got = json.loads(out.read_text())
+    assert got["after"] == got["before"]

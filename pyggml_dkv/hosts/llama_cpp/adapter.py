@@ -22,6 +22,9 @@ Limits (llama-cpp-python 0.3.36):
 - Llama.generate() re-evaluates the last prompt token when the whole prompt is cached; the adapter
   follows positions, so that is handled, but a Llama state load (load_state) invalidates it:
   call adapter.reset().
+- on a Xeon with AMX, a llama-cpp-python that GCC 12 built without `-fno-dse` dies in its own AMX
+  kernels on batched decodes (amx_guard.py); attach() refuses such a Llama with the fix
+  (scripts/install_llama_cpp.sh) instead of letting the first prompt kill the process.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import numpy.typing as npt
 import llama_cpp
 from llama_cpp.llama_speculative import LlamaDraftModel
 
+from ...ggml.capabilities import load_ggml_matmul_tiles
+from .amx_guard import INSTALL_HINT, amx_kernels_work, llama_uses_amx_tiles
 from .capture import NativeCapture
 from .drafters import DraftSource, check_fits
 from .errors import HostClosedError, HostError
@@ -60,6 +65,10 @@ class DFlashLlamaDraftModel(LlamaDraftModel):
             raise HostError("attach() expects the Llama that was created with draft_model=this adapter")
         if llama._ctx is None or llama._ctx.ctx is None:
             raise HostClosedError("the Llama is closed")
+        if getattr(llama.model_params, "use_extra_bufts", False) and not amx_kernels_work(llama.model_path):
+            raise HostError("this llama-cpp-python build dies of SIGILL in its AMX kernels on this CPU (GCC 12 dropped its "
+                            f"tile configuration); reinstall it with {INSTALL_HINT} (LlamaTarget instead loads such a "
+                            "build without AMX)")
         n_layer = int(llama_cpp.llama_model_n_layer(llama.model))
         check_fits(self.drafter.cfg, self.drafter.vocab, n_embd=llama.n_embd(), n_layer=n_layer,
                    n_vocab=llama.n_vocab())
@@ -70,11 +79,15 @@ class DFlashLlamaDraftModel(LlamaDraftModel):
         self.capture.attach(llama._ctx.ctx)
         self._store = np.zeros((llama.n_ctx(), self.capture.fc_in), dtype=np.float32)
         original = llama._ctx.decode
+        # as LlamaTarget does: llama.cpp's AMX matmuls trust tiles that PyTorch may have released
+        reload_tiles = bool(getattr(llama.model_params, "use_extra_bufts", False)) and llama_uses_amx_tiles()
 
         def decode_and_capture(batch: Any) -> None:
             n = int(batch.batch.n_tokens)
             pos0 = int(batch.batch.pos[0])
             self.capture.begin(n)
+            if reload_tiles:
+                load_ggml_matmul_tiles()
             original(batch)
             self.capture.end()
             self._store[pos0:pos0 + n] = self.capture.features(n)

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ...common.errors import PyggmlDkvError
+from .amx_guard import INSTALL_HINT
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,10 @@ def _run(job: dict[str, Any], arrays: dict[str, np.ndarray], timeout: float,
     (work / "job.json").write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, "-m", CHILD_MODULE, str(work / "job.json")], capture_output=True, text=True,
                           timeout=timeout, env=env)
+    if proc.returncode == -signal.SIGILL:
+        raise LlamaCppError(f"llama.cpp child ({job['mode']}) died of SIGILL: an instruction this CPU refuses (a "
+                            f"llama-cpp-python built for another CPU, or AMX tiles misconfigured; {INSTALL_HINT}):\n"
+                            f"{proc.stderr[-2000:]}")
     if proc.returncode != 0 or not (work / "result.json").is_file():
         raise LlamaCppError(f"llama.cpp child ({job['mode']}) exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     log.debug("llama.cpp child log tail:\n%s", proc.stderr[-2000:])

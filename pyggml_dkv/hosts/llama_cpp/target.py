@@ -19,6 +19,8 @@ import numpy as np
 
 import llama_cpp
 
+from ...ggml.capabilities import load_ggml_matmul_tiles
+from .amx_guard import llama_uses_amx_tiles, model_params
 from .capture import FeatureCapture, make_capture
 from .errors import HostClosedError, HostError
 
@@ -66,7 +68,10 @@ class LlamaTarget:
         if not _backend_ready:
             llama_cpp.llama_backend_init()
             _backend_ready = True
-        mparams = llama_cpp.llama_model_default_params()
+        mparams = model_params(path)  # llama.cpp's defaults, minus AMX where this build would crash on it
+        # llama.cpp's AMX matmuls trust the tiles they configured on this thread once; other code
+        # (PyTorch's oneDNN) may have released them since: reload ggml's configuration per decode
+        self._reload_tiles = bool(mparams.use_extra_bufts) and llama_uses_amx_tiles()
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             self._model = None
@@ -218,6 +223,8 @@ class LlamaTarget:
         if cap is not None:
             cap.begin(n)
         t0 = time.perf_counter()
+        if self._reload_tiles:
+            load_ggml_matmul_tiles()
         rc = llama_cpp.llama_decode(self._ctx, b)
         self.decode_seconds += time.perf_counter() - t0
         if rc != 0:
