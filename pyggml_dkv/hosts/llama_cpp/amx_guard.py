@@ -11,7 +11,7 @@ repacking; slower prompt processing, correct results) instead of dying.
 
 The probe runs only where it can matter (the CPU has AMX and llama.cpp was compiled with its AMX
 kernels), once per model file and llama.cpp build; the verdict is kept in the cache directory.
-Never imports our ggml (the child must not).
+Imports none of our ggml.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 32  # llama.cpp's AMX path takes batches; a decode of 32 rows reaches it
-INSTALL_HINT = "bash scripts/install_llama_cpp.sh (builds llama-cpp-python with -fno-dse; see its header)"
+INSTALL_HINT = ("bash scripts/install_llama_cpp.sh from pyggml_dkv's source tree, or by hand: CMAKE_ARGS="
+                "'-DCMAKE_C_FLAGS=-fno-dse -DCMAKE_CXX_FLAGS=-fno-dse' pip install --no-cache-dir --force-reinstall "
+                "llama-cpp-python==0.3.36")
 _verdicts: dict[str, bool] = {}
 
 
