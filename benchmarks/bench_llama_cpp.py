@@ -159,7 +159,7 @@ class Ours:
             elif buffer == "AMX":
                 kernel = f"{t.type} on ggml's AMX int8 tiles"
             elif t.type in ("f16", "bf16"):
-                kernel = kernels_used(t.type, None, "f32")["matmul"]
+                kernel = kernels_used(t.type, None, "f32", tuple(t.ne))["matmul"]
             else:
                 kernel = f"ggml's {t.type} product (ordinary buffer)"
             counts[kernel] = counts.get(kernel, 0) + 1

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from pyggml_dkv import DraftConfig
-from pyggml_dkv.ggml import bf16_attention_kernel, built_with_patches, cpu_features
+from pyggml_dkv.ggml import bf16_attention_kernel, bf16_matmul_kernel, built_with_patches, cpu_features
 
 
 
@@ -121,9 +121,10 @@ def roofline_s(cost: dict, bw_gbs: float, gflops: float, peaks: dict | None = No
             "bound": "memory" if t_mem >= t_flop else "compute", "compute_rate_source": source}
 
 
-def kernels_used(kind: str, repack_kind: str | None, attention: str) -> dict:
+def kernels_used(kind: str, repack_kind: str | None, attention: str, ne: tuple[int, ...] = (1024, 1024)) -> dict:
     """Which CPU kernel runs a cache system's matrix products and attention, and the instruction
-    the roofline charges them to (None: not one we probe, e.g. AMX tiles)."""
+    the roofline charges them to (None: not one we probe, e.g. AMX tiles). `ne`: a matrix's shape
+    (ggml order), where the kernel depends on it (bf16: AMX takes whole 16-row groups)."""
     feats = cpu_features()
     patches = set(built_with_patches())
     if kind == "f16":
@@ -132,10 +133,9 @@ def kernels_used(kind: str, repack_kind: str | None, attention: str) -> dict:
         else:
             mm = ("ggml f16 (llamafile tinyBLAS)", None)
     elif kind == "bf16":
-        if feats["avx512_bf16"] and "0019-cpu-mul-mat-bf16-narrow.patch" in patches:
-            mm = ("bf16 weights x bf16-rounded rows, AVX512-BF16 vdpbf16ps (patch 0019)", "vdpbf16ps")
-        else:
-            mm = ("ggml bf16 (llamafile tinyBLAS / vec_dot)", None)
+        mm = {"amx": ("bf16 weights x bf16-rounded rows on AMX-BF16 tiles (patch 0029)", None),
+              "avx512_bf16": ("bf16 weights x bf16-rounded rows, AVX512-BF16 vdpbf16ps (patch 0019)", "vdpbf16ps"),
+              }.get(bf16_matmul_kernel(ne), ("ggml bf16 (llamafile tinyBLAS / vec_dot)", None))
     elif repack_kind == "AMX":
         mm = ("q8_0 on AMX int8 tiles (patches 0002, 0007)", None)
     elif repack_kind == "CPU_REPACK":

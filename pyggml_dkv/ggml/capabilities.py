@@ -175,6 +175,32 @@ def bf16_attention_kernel() -> str:
     return "f32"
 
 
+# bf16 weights times a draft block's few columns: on AMX-BF16 tiles (vendor/patches/0029), else with
+# AVX512-BF16 dot products (0019); the same arithmetic (columns rounded to bf16, f32 sums)
+BF16_MATMUL_PATCH = "0019-cpu-mul-mat-bf16-narrow.patch"
+BF16_MATMUL_AMX_PATCH = "0029-cpu-mul-mat-bf16-amx-narrow.patch"
+
+
+def bf16_matmul_kernel(ne: tuple[int, ...] = (1024, 1024), n_columns: int = 16) -> str:
+    """What a product of bf16 weights of shape `ne` (ggml order: inputs, outputs) with `n_columns`
+    f32 columns runs on here: "amx" (AMX-BF16 tiles: whole 32-input blocks and 16-row groups, up to
+    64 columns), "avx512_bf16" (vdpbf16ps: whole 32-input blocks, up to 64 columns) or "ggml"
+    (ggml's own bf16 path: llamafile / its dot products)."""
+    ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
+    patches = built_with_patches()
+    narrow = ne4[0] % 32 == 0 and ne4[2:] == (1, 1) and n_columns <= 64
+    if not narrow or BF16_MATMUL_PATCH not in patches or not lib.ggml_cpu_has_avx512_bf16():
+        return "ggml"
+    no_amx = os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0")  # patch 0029 honours it in ggml too
+    try:
+        amx_bf16 = "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        amx_bf16 = False
+    if amx_bf16 and not no_amx and BF16_MATMUL_AMX_PATCH in patches and ne4[1] % 16 == 0:
+        return "amx"
+    return "avx512_bf16"
+
+
 def amx_available() -> bool:
     """True when ggml was built with (patched) AMX kernels and this CPU and kernel let us use them."""
     if os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0") or AMX_PATCH not in built_with_patches():

@@ -19,6 +19,8 @@ def amx_next_to_torch() -> None:
     ring.append(np.ones((20, cfg.fc_in), np.float32))
     noise = np.full((8, cfg.hidden), 0.5, np.float32)
     caches = [DraftKvCache(bw, be, 64)]
+    # bf16 weights: their products on AMX-BF16 tiles where the CPU has them (patch 0029)
+    caches.append(DraftKvCache(DraftWeights.random(cfg, seed=1).to_backend(be, "bf16"), be, 64))
     if bf16_attention_supported():
         caches.append(DraftKvCache(bw, be, 64, attention="bf16"))
     firsts = [c.step(ring, 20, noise) for c in caches]
@@ -29,3 +31,14 @@ def amx_next_to_torch() -> None:
         for cache, first in zip(caches, firsts):
             assert np.array_equal(first, cache.step(ring, 20, noise))
     print("ok")
+
+
+def bf16_product(out_path: str) -> None:
+    """The product test_amx.py's AMX-BF16 test compares across kernels, saved to out_path (.npy)."""
+    from pyggml_dkv.ggml import Backend
+    from tests.ggml.helpers import compute
+    from tests.ggml.test_amx import bf16_operands
+
+    w, x = bf16_operands()
+    with Backend("cpu", n_threads=2) as cpu:
+        np.save(out_path, compute(cpu, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b)))

@@ -13,11 +13,14 @@ from tests.child import run_in_child
 from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter
 from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
-from pyggml_dkv.ggml import Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types, vnni_available
+from pyggml_dkv.ggml import (Context, Gallocr, GGMLError, Graph, amx_available, bf16_matmul_kernel, cpu_extra_buffer_types,
+                             cpu_features, vnni_available)
 from pyggml_dkv.model.backend_weights import upload_matrix
 from tests.ggml.helpers import mul_mat_rows
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU / kernel offers no AMX (or PYGGML_DKV_NO_AMX is set)")
+needs_amx_bf16 = pytest.mark.skipif(bf16_matmul_kernel() != "amx",
+                                    reason="bf16 products run on AMX-BF16 tiles only where the CPU has them (patch 0029)")
 
 CFG = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8,
                   n_target_layers=2, vocab=96)
@@ -203,3 +206,43 @@ def test_amx_needs_the_patched_build(monkeypatch):
     assert G.AMX_PATCH in G.built_with_patches() or not amx_available()
     monkeypatch.setattr(G, "built_with_patches", lambda: ())
     assert not G.amx_available()
+
+
+def bf16_operands() -> tuple[np.ndarray, np.ndarray]:
+    """48 weight rows (three 16-row groups) x 1024 inputs, and 34 columns (two full groups and a
+    narrower one), as the fold-in's widest bucket multiplies them."""
+    rng = np.random.default_rng(29)
+    return (rng.standard_normal((48, 1024)).astype(np.float32), rng.standard_normal((34, 1024)).astype(np.float32))
+
+
+def test_bf16_product_kernel_rule(monkeypatch):
+    # more than 64 columns, or inputs that are not whole 32-value blocks: ggml's own path
+    assert bf16_matmul_kernel((1024, 1024), n_columns=65) == "ggml"
+    assert bf16_matmul_kernel((1000, 1024)) == "ggml"
+    rule = bf16_matmul_kernel((1024, 1024))
+    assert rule == ("ggml" if not cpu_features()["avx512_bf16"] else rule) and rule in ("amx", "avx512_bf16", "ggml")
+    if rule == "amx":
+        assert bf16_matmul_kernel((1024, 1000)) == "avx512_bf16"  # rows that are not whole 16-row groups
+        monkeypatch.setenv("PYGGML_DKV_NO_AMX", "1")  # ggml reads the same switch
+        assert bf16_matmul_kernel((1024, 1024)) == "avx512_bf16"
+
+
+@needs_amx_bf16
+def test_bf16_products_run_on_amx_tiles(cpu, tmp_path):
+    """The AMX-BF16 kernel really runs (its sums in another order than vdpbf16ps': not bit-equal to
+    the PYGGML_DKV_NO_AMX=1 product of a child process), and both are the exact bf16 products
+    summed in f32 (within f32 rounding of float64 on the bf16-rounded operands)."""
+    import os
+
+    from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
+    from tests.ggml.helpers import compute
+
+    w, x = bf16_operands()
+    amx = compute(cpu, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b))
+    proc = run_in_child("tests.ggml.amx_child:bf16_product", str(tmp_path / "vdpbf16ps.npy"),
+                        env={**os.environ, "PYGGML_DKV_NO_AMX": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    vdp = np.load(tmp_path / "vdpbf16ps.npy")
+    want = from_bf16_bits(to_bf16_bits(x)).astype(np.float64) @ from_bf16_bits(to_bf16_bits(w)).astype(np.float64).T
+    assert relative_error(amx, want) < 2e-6 and relative_error(vdp, want) < 2e-6
+    assert not np.array_equal(amx, vdp)

@@ -50,14 +50,20 @@ NARROW_KERNELS = {"f16": (16, lambda: lib.ggml_cpu_has_avx512() and lib.ggml_cpu
 
 @pytest.mark.parametrize("wtype", ["f16", "bf16"])
 @pytest.mark.parametrize("m, k, n", [(5, 64, 3), (4, 1024, 16), (70, 96, 34), (33, 48, 64), (33, 64, 64), (9, 32, 1),
-                                     (6, 64, 65), (7, 40, 8), (7, 48, 8), (13, 5120, 9)])
+                                     (6, 64, 65), (7, 40, 8), (7, 48, 8), (13, 5120, 9),
+                                     # whole 16-row blocks: bf16 on AMX-BF16 tiles where the CPU has them (0029),
+                                     # 1-4 column groups, the last one full or narrower
+                                     (16, 32, 1), (48, 1024, 9), (32, 64, 16), (80, 96, 17), (64, 5120, 34),
+                                     (16, 3072, 48), (32, 160, 63), (16, 64, 64)])
 def test_mul_mat_half_weights_few_columns(rng, wtype, m, k, n):
     """f16 / bf16 weights x up to 64 f32 columns on the narrow AVX-512 kernels. The f16 one keeps the
     columns f32, so against the stored f16 weights only f32 rounding remains; the bf16 one rounds
     them to bf16 as ggml does (nearest even) and sums exact bf16 products, so against both operands
     rounded only f32 rounding remains. Wider products (n > 64) or rows that are not whole vectors
-    take ggml's path (f16: x rounded to f16; bf16: as the kernel). Every output of a narrow kernel
-    is one thread's: the thread count must not change a bit."""
+    take ggml's path (f16: x rounded to f16; bf16: as the kernel). bf16 weights of whole 16-row
+    blocks run on AMX-BF16 tiles where the CPU has them (0029): the same arithmetic, sums in
+    another order. Every output of a narrow kernel is one thread's: the thread count must not
+    change a bit."""
     w = rng.standard_normal((m, k)).astype(np.float32)
     x = rng.standard_normal((n, k)).astype(np.float32)
     w_stored = w.astype(np.float16).astype(np.float64) if wtype == "f16" else _as_bf16(w)

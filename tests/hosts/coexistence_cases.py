@@ -187,31 +187,38 @@ def run(case: str, out_path: str, model_path: str = "") -> None:
 
 
 def tiles_after_attention(out_path: str, model_path: str) -> None:
-    """llama.cpp's batched decode (its AMX products on AMX CPUs), our bf16 attention (AMX tiles there),
-    the same decode again: both logits' sha256 to `out_path`. One thread, so both run on this one;
-    a prompt of several tokens, since llama.cpp takes AMX for batches only (one token: VNNI)."""
+    """llama.cpp's batched decode (its AMX products on AMX CPUs), a drafter step with our bf16 attention
+    (AMX tiles there), the decode again, a step with bf16 weights (their products on AMX tiles), the
+    decode again: the logits' sha256 to `out_path`. llama_cpp.Llama's own eval, as a host that drives
+    llama.cpp itself would (LlamaTarget reloads the tiles before each decode anyway). One thread, so
+    both run on this one; 40 tokens, since llama.cpp takes AMX for batches only (one token: VNNI)."""
     import numpy as np
 
     from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing
-    from pyggml_dkv.hosts.llama_cpp import LlamaTarget
 
-    with LlamaTarget(model_path, n_ctx=N_CTX, n_batch=N_CTX, n_threads=1) as target:
-        tokens = target.tokenize("The quick brown fox jumps over the lazy dog. " * 4)[:40]
+    llm = load_llama(model_path)
+    tokens = llm.tokenize(b"The quick brown fox jumps over the lazy dog. " * 4)[:40]
 
-        def logits_sha256() -> str:
-            target.clear()
-            return hashlib.sha256(np.ascontiguousarray(target.decode(tokens, logits="all")).tobytes()).hexdigest()
+    def logits_sha256() -> str:
+        llm.reset()
+        llm.eval(tokens)
+        return hashlib.sha256(np.ascontiguousarray(llm.scores[: len(tokens)]).tobytes()).hexdigest()
 
-        before = logits_sha256()
-        cfg = DraftConfig(**TOY)
-        rng = np.random.default_rng(1)
-        ring = FeatureRing(max(COMMITS), cfg.fc_in)
-        ring.append(rng.standard_normal((max(COMMITS), cfg.fc_in)).astype(np.float32))
-        noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
-        with Backend("cpu", n_threads=1) as cpu, DraftWeights.random(cfg, seed=0).to_backend(cpu, "f16") as bw, \
-                DraftKvCache(bw, cpu, CAP, attention="bf16") as cache:
+    before = logits_sha256()
+    cfg = DraftConfig(**TOY)
+    rng = np.random.default_rng(1)
+    ring = FeatureRing(max(COMMITS), cfg.fc_in)
+    ring.append(rng.standard_normal((max(COMMITS), cfg.fc_in)).astype(np.float32))
+    noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
+    after = {}
+    # bf16 attention on AMX tiles (0009 / 0028), then bf16 weights' products on them (0029)
+    for weights, attention in (("f16", "bf16"), ("bf16", "f32")):
+        with Backend("cpu", n_threads=1) as cpu, DraftWeights.random(cfg, seed=0).to_backend(cpu, weights) as bw, \
+                DraftKvCache(bw, cpu, CAP, attention=attention) as cache:
             cache.step(ring, COMMITS[0], noise)
-        Path(out_path).write_text(json.dumps({"before": before, "after": logits_sha256()}))
+        after[f"{weights} weights, {attention} attention"] = logits_sha256()
+    llm.close()
+    Path(out_path).write_text(json.dumps({"before": before, "after": after}))
 
 
 def tiles_after_torch(out_path: str, model_path: str) -> None:
