@@ -55,6 +55,7 @@ from .capabilities import (
     version,
     vnni_available,
     vnni_fits,
+    vnni_repack_fits,
 )
 from .context import Context
 from .errors import BackendUnavailableError, GGMLError, RemoteBackendError
@@ -68,7 +69,7 @@ __all__ = [
     "AMX_PATCH", "AMX_TYPES", "BF16_ATTENTION_PATCH", "GGML_PREC_BF16", "GGML_REPACK_TYPES", "MAX_DIMS", "REPACKING_BUFFER_TYPES",
     "TYPES", "TYPE_NAMES", "Backend", "BackendInfo", "BackendUnavailableError", "RemoteBackendError", "Buffer", "Context",
     "GGMLError", "Gallocr", "Graph", "Tensor", "amx_available", "amx_fits", "available_backends",
-    "bf16_attention_kernel", "bf16_attention_supported", "bf16_matmul_kernel", "built_backends", "cpu_features", "cpu_repack_fits", "cpu_repack_kernel", "ggml_repack_fits", "vnni_available", "vnni_fits",
+    "bf16_attention_kernel", "bf16_attention_supported", "bf16_matmul_kernel", "built_backends", "cpu_features", "cpu_repack_fits", "cpu_repack_kernel", "ggml_repack_fits", "vnni_available", "vnni_fits", "vnni_repack_fits",
     "BF16_ATTENTION_AVX512_PATCH", "VNNI_PATCH", "built_with_patches", "cpu_extra_buffer_types",
     "cuda_graph_stats", "default_n_threads", "dequantize", "ffi", "ggml_type", "lib", "list_devices",
     "live_objects", "quantize", "version",

@@ -10,7 +10,7 @@ import numpy as np
 
 from .config import DraftConfig
 from ..ggml import (Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, cpu_repack_fits,
-                    ggml_type, lib, vnni_available)
+                    ggml_type, lib, vnni_available, vnni_repack_fits)
 from .tensor_names import is_norm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,9 +39,21 @@ def default_weight_dtype(backend: Backend) -> str:
     return "f16"
 
 
+# Types ggml's AMX buffer takes for which our VNNI kernel is the faster one: q4_0 (patch 0022) took
+# 0.53-0.95 of the time of ggml's AMX q4_0 kernel (which has no 16-row pass like 0007's for q8_0) at
+# 9-34 columns, measured interleaved in one process on an Emerald Rapids (2 threads; the small
+# drafter's shapes and a 49152-row head). q8_0 stays on AMX: 0.85-1.23 either way there, AMX ahead
+# at the noise block's 16 columns.
+VNNI_OVER_AMX = ("q4_0",)
+
+
 def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: int) -> bool:
-    """Can an (out, in) `dtype` matrix on `backend` use ggml's AMX kernels (q8_0 on AMX Xeons)?"""
-    return backend.is_cpu and amx_fits(dtype, (in_features, out_features)) and amx_available()
+    """Does an (out, in) `dtype` matrix on `backend` go to ggml's AMX kernels (q8_0, and q4_0 where our
+    VNNI layout does not take it, on AMX Xeons)?"""
+    ne = (in_features, out_features)
+    if dtype in VNNI_OVER_AMX and vnni_repack_fits(dtype, ne):
+        return False
+    return backend.is_cpu and amx_fits(dtype, ne) and amx_available()
 
 
 def repack_buffer(backend: Backend, dtype: str, out_features: int, in_features: int) -> str | None:

@@ -246,3 +246,19 @@ def test_bf16_products_run_on_amx_tiles(cpu, tmp_path):
     want = from_bf16_bits(to_bf16_bits(x)).astype(np.float64) @ from_bf16_bits(to_bf16_bits(w)).astype(np.float64).T
     assert relative_error(amx, want) < 2e-6 and relative_error(vdp, want) < 2e-6
     assert not np.array_equal(amx, vdp)
+
+
+@needs_amx
+def test_q4_0_prefers_our_vnni_kernel_to_ggmls_amx_one(cpu, monkeypatch):
+    """q4_0 fits ggml's AMX buffer too, but our VNNI kernel (0022) was the faster one side by side
+    (backend_weights.VNNI_OVER_AMX); q8_0 stays on AMX. Without 0022, q4_0 goes back to AMX."""
+    import pyggml_dkv.ggml.capabilities as C
+    from pyggml_dkv.model.backend_weights import repack_buffer
+
+    if not vnni_available():
+        pytest.skip("no VNNI kernels in this build")
+    assert repack_buffer(cpu, "q4_0", 1024, 1024) == "CPU_REPACK"
+    assert repack_buffer(cpu, "q8_0", 1024, 1024) == "AMX"
+    patches = tuple(p for p in C.built_with_patches() if not p.startswith("0022"))
+    monkeypatch.setattr(C, "built_with_patches", lambda: patches)
+    assert repack_buffer(cpu, "q4_0", 1024, 1024) == "AMX"
