@@ -10,8 +10,9 @@
 # declared to read 8 bytes of the 64-byte config, so dead-store elimination drops the rest and
 # `ldtilecfg` loads an empty palette. Its first batched product of q4_0 / q4_1 / q8_0 / K-quant
 # weights then dies with SIGILL (the bug our ggml patch 0002 fixes in our own copy). `-fno-dse`
-# keeps those stores; it changes nothing else of note (measured: docs/design.md, "The llama.cpp
-# host"), so it is passed on every machine and the wheel is the same recipe everywhere.
+# keeps those stores (checked in the disassembly). It only keeps stores GCC would drop as dead
+# (its effect on llama.cpp's speed was not measured), and is passed on every machine, so the
+# wheel is the same recipe everywhere.
 #
 # pip's wheel cache is keyed by the sdist alone, not by the build flags, so it could hand back a
 # wheel built without them (or for another CPU: the build is native). The wheel is therefore built
