@@ -159,17 +159,31 @@ def bf16_attention_supported() -> bool:
 BF16_ATTENTION_AVX512_PATCH = "0011-cpu-flash-attn-bf16-avx512.patch"
 
 
+def no_amx_requested() -> bool:
+    """PYGGML_DKV_NO_AMX=1: take the paths of CPUs without AMX (our patches to ggml read it too)."""
+    return os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0")
+
+
+@functools.cache
+def _cpu_has_amx_bf16() -> bool:
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def amx_bf16_usable() -> bool:
+    """AMX-BF16 tiles on this CPU, and PYGGML_DKV_NO_AMX not set (patches 0009, 0029 use them)."""
+    return _cpu_has_amx_bf16() and not no_amx_requested()
+
+
 def bf16_attention_kernel() -> str:
     """What attention="bf16" (GGML_PREC_BF16) runs its two products on here: "amx" (AMX-BF16
     tiles), "avx512_bf16" (vdpbf16ps, patch 0011) or "f32" (no bf16 products: the f32 kernel)."""
     if not bf16_attention_supported():
         return "f32"
-    no_amx = os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0")  # patch 0011 honours it in ggml too
-    try:
-        if "amx_bf16" in Path("/proc/cpuinfo").read_text().split() and not no_amx:
-            return "amx"
-    except OSError:
-        pass
+    if amx_bf16_usable():
+        return "amx"
     if BF16_ATTENTION_AVX512_PATCH in built_with_patches() and lib.ggml_cpu_has_avx512_bf16():
         return "avx512_bf16"
     return "f32"
@@ -191,19 +205,14 @@ def bf16_matmul_kernel(ne: tuple[int, ...] = (1024, 1024), n_columns: int = 16) 
     narrow = ne4[0] % 32 == 0 and ne4[2:] == (1, 1) and n_columns <= 64
     if not narrow or BF16_MATMUL_PATCH not in patches or not lib.ggml_cpu_has_avx512_bf16():
         return "ggml"
-    no_amx = os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0")  # patch 0029 honours it in ggml too
-    try:
-        amx_bf16 = "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        amx_bf16 = False
-    if amx_bf16 and not no_amx and BF16_MATMUL_AMX_PATCH in patches and ne4[1] % 16 == 0:
+    if amx_bf16_usable() and BF16_MATMUL_AMX_PATCH in patches and ne4[1] % 16 == 0:
         return "amx"
     return "avx512_bf16"
 
 
 def amx_available() -> bool:
     """True when ggml was built with (patched) AMX kernels and this CPU and kernel let us use them."""
-    if os.environ.get("PYGGML_DKV_NO_AMX", "") not in ("", "0") or AMX_PATCH not in built_with_patches():
+    if no_amx_requested() or AMX_PATCH not in built_with_patches():
         return False
     return "AMX" in cpu_extra_buffer_types()
 
