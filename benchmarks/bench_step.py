@@ -19,7 +19,8 @@ Systems, each timed for ONE draft step at a context window of W positions:
              vendor/patches/0019, where the CPU has it), f16 K/V cache
   kv_q8_generic  (--generic-q8) kv_q8 with its q8_0 weights in the ordinary buffer: ggml's generic
              q8_0 kernels, the path of a CPU without AMX before patch 0010 (not in the targets)
-  raw        kv_f16's step graph alone: cache.gf.compute(backend) after begin_step + inp_embed upload
+  raw        kv_f16's step graph alone: cache.next_graph().compute(backend) (the graph step() runs, sized
+             for the step's fold-in rows) after begin_step + inp_embed upload
              (so step()/raw shows the host overhead of step(): checks, ring copy, masks, uploads, download)
   oneshot    OneShotDrafter, f16 weights: recomputes features + context K/V of the whole window
              (its graph for a W-row window is built once, before timing, and reused step to step)

@@ -210,6 +210,10 @@ class OpProfiler:
             else:
                 kind = "elementwise"  # norms, rope, add, mul, silu, ...
             self.labels.append({"i": i, "op": op, "phase": "noise" if noisy else "fold-in", "kind": kind, "weight": weight})
+        # the rows the graph folds in (its first fold-in product's columns): which of a cache's
+        # graphs this is (one per fold-in size)
+        first = next((lab["i"] for lab in self.labels if lab["phase"] == "fold-in" and lab["kind"] == "matmul"), None)
+        self.fold_in_rows = int(graph.node(first).ne[1]) if first is not None else 0
 
     def run(self) -> list[float]:
         times = []
@@ -242,7 +246,7 @@ class OpProfiler:
             elif lab["kind"] in ("elementwise", "copy/rows"):
                 by_op[lab["op"]] = by_op.get(lab["op"], 0.0) + t
         total = sum(groups.values())
-        return {"overhead_per_node_ms": 1e3 * overhead, "n_nodes": self.n,
+        return {"overhead_per_node_ms": 1e3 * overhead, "n_nodes": self.n, "fold_in_rows": self.fold_in_rows,
                 "n_compute_nodes": sum(1 for l in self.labels if l["kind"] != "no-op"),
                 "groups_ms": {k: 1e3 * v for k, v in sorted(groups.items())},
                 "matmul_by_weight_ms": {k: 1e3 * v for k, v in sorted(by_weight.items())},

@@ -188,7 +188,8 @@ class Bench:
                 ks.cache.inp_embed.set(self.noise)
 
             def step():  # noqa: ANN202
-                ks.cache.gf.compute(self.backend)
+                # the graph step() computes: the one sized for this step's fold-in rows
+                ks.cache.next_graph(logits=True).compute(self.backend)
             return prep, step
         if sysname == "oneshot":
             return (lambda: None), (lambda: self.oneshot.step(self.ring, window, self.noise))
@@ -252,16 +253,18 @@ class Bench:
         backend = getattr(self, "_prof_backend", None) or self.backend
         for name, ks in self.kv.items():
             cache = ks.cache
-            try:
-                prof = OpProfiler(cache.gf, backend, cache.inp_embed)
-            except Exception as e:  # noqa: BLE001
-                log(f"[{self.name}] per-op profile unavailable: {e}")
-                return {}
-            runs = []
+            runs, prof = [], None
             for _ in range(self.args.profile_reps):
                 c = ks.prepare(self.n_new)
                 cache.begin_step(self.ring, c)
                 cache.inp_embed.set(self.noise)
+                if prof is None:
+                    # the graph a step computes (its fold-in sized for n_new rows), not the a_step one
+                    try:
+                        prof = OpProfiler(cache.next_graph(logits=True), backend, cache.inp_embed)
+                    except Exception as e:  # noqa: BLE001
+                        log(f"[{self.name}] per-op profile unavailable: {e}")
+                        return {}
                 runs.append(prof.run())
             out[name] = prof.summarize(runs)
             out[name]["threads"] = pt

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..common.checks import check_choice
-from ..ggml import Backend, GGMLError, Tensor
+from ..ggml import Backend, GGMLError, Graph, Tensor
 from ..ggml.delta import DeltaUpload
 from ..model.backend_weights import BackendWeights
 from ..model.config import DraftConfig
@@ -253,12 +253,18 @@ class DraftKvCache:
         self._ring.look(ring)
         self._inputs.noise_and_masks(self.slots.slot_pos, lo, committed)
 
+    def next_graph(self, logits: bool = False) -> Graph:
+        """The graph compute(logits) runs: the smallest whose fold-in takes the rows the last
+        begin_step left pending (before the first begin_step, the a_step graph `gf`). For timing or
+        profiling the step's own graph."""
+        self._check_usable()
+        return (self.logit_graphs if logits else self.graphs)[self._bucket].graph
+
     def compute(self, logits: bool = False) -> None:
         """Run the step graph (after begin_step and the noise block are set). `logits`: a cache
         with lm_head_screen runs its graph with the full head product (its `logits`), not the
         screened one (its exact `draft_ids` only)."""
-        self._check_usable()
-        (self.logit_graphs if logits else self.graphs)[self._bucket].graph.compute(self.backend)
+        self.next_graph(logits).compute(self.backend)
 
     def step(self, ring: FeatureRing, committed: int, noise_embed: np.ndarray) -> np.ndarray:
         """One draft step: hidden states (q_len, hidden), or logits (q_len, vocab) with an lm_head

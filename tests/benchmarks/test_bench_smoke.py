@@ -28,6 +28,22 @@ def test_bench_step_quick_smoke(tmp_path):
             assert system in text
 
 
+def test_bench_step_profile_is_of_the_graph_a_step_runs(tmp_path):
+    """--profile times the nodes of the graph step() computes: its fold-in sized for the step's
+    n_new rows (a cache has one graph per fold-in size), not the a_step graph (which overstated the
+    fold-in's products ~3x)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--configs", "toy", "--windows", "64", "--reps", "2", "--no-torch",
+                           "--skip", "oneshot,kv_q8_attbf16,kv_bf16", "--profile", "--profile-reps", "1", "--threads", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())["results"][0]
+    profiles = result["windows"][0]["profile"]
+    assert set(profiles) >= {"kv_f16", "kv_q8"}
+    for prof in profiles.values():
+        assert result["n_new"] <= prof["fold_in_rows"] < result["a_step"], (prof["fold_in_rows"], result["n_new"], result["a_step"])
+
+
 def test_bench_head_smoke(tmp_path):
     """bench_head.py runs every head variant on the shipped drafter and checks the screened f32
     head's drafts against the f32 head's itself (it exits non-zero otherwise)."""
