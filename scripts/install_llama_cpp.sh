@@ -4,6 +4,8 @@
 #
 #   bash scripts/install_llama_cpp.sh          # then: pip install -e ".[llama]" finds it installed
 #
+# It also extracts llama.cpp's HF -> GGUF converter from the same sdist into the cache (below).
+#
 # Why: llama-cpp-python builds llama.cpp from source for the build machine (GGML_NATIVE). On a Xeon
 # with AMX, GCC 12 compiles llama.cpp's own tile-config setup (ggml-cpu/amx/mmq.cpp,
 # ggml_tile_config_init) without the stores of the tile rows and widths: `_tile_loadconfig` is
@@ -33,6 +35,21 @@ KEY="$(printf '%s\n' "$VERSION" "$FLAGS" "$compiler" "$cpu_flags" "$("$PYTHON" -
 WHEELS="$CACHE/wheels/llama-cpp-python-$VERSION-$KEY"
 
 say() { echo "install_llama_cpp.sh: $*" >&2; }
+
+# llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py, its conversion/ package and gguf-py),
+# from the same sdist, for tests/model/test_gguf_convert.py: the installed wheel does not ship it.
+# 2 MB of the 76 MB sdist, extracted once into the cache.
+CONVERTER="$CACHE/llama.cpp-src-$VERSION"
+if [ ! -f "$CONVERTER/convert_hf_to_gguf.py" ]; then
+    say "extracting llama.cpp's converter from the llama-cpp-python $VERSION sdist into $CONVERTER"
+    tmp="$(mktemp -d)"
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: -d "$tmp" "llama-cpp-python==$VERSION"
+    top="llama_cpp_python-$VERSION/vendor/llama.cpp"
+    tar -xzf "$tmp/llama_cpp_python-$VERSION.tar.gz" -C "$tmp" --wildcards \
+        "$top/convert_hf_to_gguf.py" "$top/conversion/*" "$top/gguf-py/*"
+    rm -rf "$CONVERTER" && mkdir -p "$(dirname "$CONVERTER")" && mv "$tmp/$top" "$CONVERTER"
+    rm -rf "$tmp"
+fi
 
 if "$PYTHON" - "$VERSION" "$WHEELS" <<'EOF'
 import importlib.metadata as md, sys

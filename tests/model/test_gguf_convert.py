@@ -2,14 +2,17 @@
 DFlashModel) loads to the same config and tensors as our safetensors loader reads.
 
 The converter lives in the llama.cpp sources (llama-cpp-python's sdist ships them under
-vendor/llama.cpp; the installed wheel does not): point PYGGML_DKV_LLAMA_CPP_SRC at that folder.
-It needs torch and a target model directory with a tokenizer; the target here is a Qwen3
-config with a tiny SentencePiece tokenizer trained on the spot (the converter copies its
+vendor/llama.cpp; the installed wheel does not): scripts/install_llama_cpp.sh extracts it from the
+sdist of the pinned version into the cache (`llama.cpp-src-<version>`), or point
+PYGGML_DKV_LLAMA_CPP_SRC at such a folder. It needs torch, transformers and sentencepiece (the
+`torch` and `convert` extras) and a target model directory with a tokenizer; the target here is a
+Qwen3 config with a tiny SentencePiece tokenizer trained on the spot (the converter copies its
 vocabulary; the drafter's tensors do not depend on it).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -19,15 +22,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pyggml_dkv.hosts.smollm2 import cache_dir
 from pyggml_dkv.model.weights import load_checkpoint
 from pyggml_dkv.model.config import DraftConfig
 from pyggml_dkv.model.weights import DraftWeights
 
 pytest.importorskip("gguf")
-SRC = os.environ.get("PYGGML_DKV_LLAMA_CPP_SRC")
-if not SRC or not (Path(SRC) / "convert_hf_to_gguf.py").is_file():
-    pytest.skip("set PYGGML_DKV_LLAMA_CPP_SRC to a llama.cpp source tree (e.g. llama-cpp-python 0.3.36's "
-                "sdist, vendor/llama.cpp) to run its converter", allow_module_level=True)
+
+
+def converter_sources() -> Path | None:
+    """$PYGGML_DKV_LLAMA_CPP_SRC, else what install_llama_cpp.sh extracted for the installed llama-cpp-python."""
+    if os.environ.get("PYGGML_DKV_LLAMA_CPP_SRC"):
+        return Path(os.environ["PYGGML_DKV_LLAMA_CPP_SRC"])
+    try:
+        version = importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return cache_dir() / f"llama.cpp-src-{version}"
+
+
+SRC = converter_sources()
+if SRC is None or not (SRC / "convert_hf_to_gguf.py").is_file():
+    pytest.skip("llama.cpp's converter is not here: run scripts/install_llama_cpp.sh (it extracts it from the "
+                "pinned llama-cpp-python sdist into the cache), or set PYGGML_DKV_LLAMA_CPP_SRC to a llama.cpp "
+                f"source tree (looked in {SRC})", allow_module_level=True)
 for _module in ("torch", "sentencepiece", "transformers"):
     pytest.importorskip(_module, reason=f"llama.cpp's converter needs {_module}")
 
