@@ -1,11 +1,16 @@
 """q8_0 weights repacked for the AVX512-VNNI kernel (vendor/patches/0010, CPUs without AMX).
 
 The kernel tests run where ggml carries the patch and was compiled for AVX512-VNNI (AMD Zen 4/5,
-Intel Ice Lake / Cascade Lake and later); the default-weight-type rule and the buffer checks run
-everywhere.
+Intel Ice Lake / Cascade Lake and later), on a Xeon with AMX in a child with PYGGML_DKV_NO_AMX=1
+(the last test); the default-weight-type rule and the buffer checks run everywhere.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +21,7 @@ from pyggml_dkv.model.backend_weights import BackendWeights, default_weight_dtyp
 from pyggml_dkv.ggml import (Backend, Buffer, Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types,
                              cpu_features, cpu_repack_fits, vnni_available)
 from pyggml_dkv.common.numeric import relative_error
+from pyggml_dkv.ggml._lowlevel import lib
 from tests.ggml.helpers import mul_mat_rows, quantize_q8_0_rows
 
 # on a CPU with AMX the AMX buffer wins; PYGGML_DKV_NO_AMX=1 lets these tests run there too
@@ -203,3 +209,17 @@ def test_vnni_non_finite_activations_give_nan_rows(cpu):
         assert np.isnan(got[[0, 2, 3, 5]]).all(), k
         ok = [1, 4]
         assert relative_error(got[ok], _exact(w, x[ok])) < 1e-6, k
+
+
+@pytest.mark.skipif(not amx_available() or not lib.ggml_cpu_has_avx512_vnni(),
+                    reason="runs where AMX takes q8_0 and the CPU has AVX512-VNNI (the tests above run themselves elsewhere)")
+def test_vnni_tests_on_an_amx_cpu_with_amx_switched_off():
+    """On a Xeon with AMX the VNNI tests above skip (AMX takes q8_0), yet the kernel serves
+    PYGGML_DKV_NO_AMX=1 there (which ggml reads once per process): run them in a child that sets it,
+    and check that none of them skipped."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(Path(__file__)),
+                           "-k", "not amx_switched_off"], cwd=root, env={**os.environ, "PYGGML_DKV_NO_AMX": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "skipped" not in proc.stdout and " passed" in proc.stdout, proc.stdout[-2000:]
