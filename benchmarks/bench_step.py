@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         peaks.append(probe_peaks(args.threads))
         machine["peaks_gmacs"] = {k: (float(np.median([p[k] for p in peaks])) if all(p[k] for p in peaks) else None)
                                   for k in peaks[0]}
+        machine["peaks_samples_gmacs"] = peaks  # before and after the run: a VM's speed can move meanwhile
     machine["cpu_features"] = cpu_features()
     machine.update({"bandwidth_gbs": float(np.median(bw)), "bandwidth_samples_gbs": bw,
                     "matmul_gflops": float(np.median(mm)), "matmul_samples_gflops": mm})

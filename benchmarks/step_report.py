@@ -11,6 +11,9 @@ from pyggml_dkv import DraftConfig
 from step_probes import cost_model, roofline_s
 from step_config import FLAT_MAX, KV_SYSTEMS, log, OVERHEAD_MAX, RECOMPUTE_MIN, ROOF_MAX, SYSTEMS, TORCH_MIN
 
+# before / after instruction peaks further apart than this ratio: the report warns of a moving machine
+DRIFT_WARN = 1.15
+
 
 # ---------------------------------------------------------------------------- report
 def fmt_stat(st: dict | None) -> str:
@@ -127,6 +130,15 @@ def print_report(results: list[dict], machine: dict, args: argparse.Namespace) -
     if pk:
         p(f"instruction peaks, {args.threads} threads (G multiply-adds/s, registers only): "
           + ", ".join(f"{k} {fmt(v, '.0f')}" for k, v in pk.items()))
+        samples = machine.get("peaks_samples_gmacs") or []
+        drift = {k: max(s_[k] for s_ in samples) / min(s_[k] for s_ in samples) for k in pk
+                 if len(samples) > 1 and all(s_.get(k) for s_ in samples)}
+        if drift and max(drift.values()) > DRIFT_WARN:
+            # the probes before and after the run disagree: the machine's speed moved during it, so
+            # the roofline ratios (and any ratio between systems timed at different moments) are loose
+            p(f"WARNING: the instruction peaks moved during the run (before / after: "
+              + ", ".join(f"{k} {fmt(samples[0][k], '.0f')} / {fmt(samples[-1][k], '.0f')}" for k in drift)
+              + "): this machine's speed changed; rerun on a quieter one for the roofline figures")
     for r in results:
         s = r["shape"]
         p(f"\n== {r['config']}: hidden {s['hidden']}, {s['n_layer']} layers, {s['n_head']}/{s['n_head_kv']} heads x "

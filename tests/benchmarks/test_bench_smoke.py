@@ -58,3 +58,21 @@ def test_bench_head_smoke(tmp_path):
     assert set(report["variants"]) == {"head_q8_0", "head_f32", "head_f16", "head_f32_screened", "head_f16_screened"}
     assert report["variants"]["head_f32_screened"]["ids_equal_to_f32_head"] == 1.0
     assert all(v["n"] == 2 and v["median_ms"] > 0 for v in report["variants"].values())
+
+
+def test_step_report_warns_when_the_machine_moved_during_the_run(capsys, monkeypatch):
+    """The peaks are probed before and after the run; far apart, the report says the roofline
+    figures are loose (an Emerald Rapids VM's FMA peak went 162 -> 98 G/s within an hour)."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import step_report
+
+    machine = {"cpu": "x", "omp_wait_policy": "PASSIVE", "bandwidth_gbs": 30.0, "matmul_gflops": 100.0,
+               "cpu_features": {"avx2": True}, "peaks_gmacs": {"vfmadd231ps": 130.0}}
+    for samples, warned in (([{"vfmadd231ps": 162.0}, {"vfmadd231ps": 98.0}], True),
+                            ([{"vfmadd231ps": 162.0}, {"vfmadd231ps": 158.0}], False),
+                            ([{"vfmadd231ps": 162.0}], False)):
+        step_report.print_report([], {**machine, "peaks_samples_gmacs": samples}, argparse.Namespace(threads=2))
+        out = capsys.readouterr().out
+        assert ("WARNING: the instruction peaks moved" in out) == warned, out
