@@ -38,17 +38,23 @@ say() { echo "install_llama_cpp.sh: $*" >&2; }
 
 # llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py, its conversion/ package and gguf-py),
 # from the same sdist, for tests/model/test_gguf_convert.py: the installed wheel does not ship it.
-# 2 MB of the 76 MB sdist, extracted once into the cache.
+# 2 MB of the 76 MB sdist, extracted once into the cache. Not fatal: without it that test skips.
 CONVERTER="$CACHE/llama.cpp-src-$VERSION"
+extract_converter() {
+    local tmp top
+    tmp="$(mktemp -d)"
+    top="llama_cpp_python-$VERSION/vendor/llama.cpp"
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: -d "$tmp" "llama-cpp-python==$VERSION" &&
+        tar -xzf "$tmp/llama_cpp_python-$VERSION.tar.gz" -C "$tmp" --wildcards \
+            "$top/convert_hf_to_gguf.py" "$top/conversion/*" "$top/gguf-py/*" &&
+        rm -rf "$CONVERTER" && mkdir -p "$(dirname "$CONVERTER")" && mv "$tmp/$top" "$CONVERTER"
+    local status=$?
+    rm -rf "$tmp"
+    return $status
+}
 if [ ! -f "$CONVERTER/convert_hf_to_gguf.py" ]; then
     say "extracting llama.cpp's converter from the llama-cpp-python $VERSION sdist into $CONVERTER"
-    tmp="$(mktemp -d)"
-    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: -d "$tmp" "llama-cpp-python==$VERSION"
-    top="llama_cpp_python-$VERSION/vendor/llama.cpp"
-    tar -xzf "$tmp/llama_cpp_python-$VERSION.tar.gz" -C "$tmp" --wildcards \
-        "$top/convert_hf_to_gguf.py" "$top/conversion/*" "$top/gguf-py/*"
-    rm -rf "$CONVERTER" && mkdir -p "$(dirname "$CONVERTER")" && mv "$tmp/$top" "$CONVERTER"
-    rm -rf "$tmp"
+    extract_converter || say "could not extract llama.cpp's converter (tests/model/test_gguf_convert.py will skip)"
 fi
 
 if "$PYTHON" - "$VERSION" "$WHEELS" <<'EOF'
