@@ -160,8 +160,11 @@ class OpProfiler:
 
     Each node is put alone in a one-node graph of its own (ggml_graph_add_node), which the backend
     computes like the whole graph's node. Each per-node compute pays the CPU backend's per-graph
-    overhead (plan + OpenMP fork/join); that overhead is measured on no-op nodes
-    (VIEW/RESHAPE/PERMUTE) and subtracted.
+    overhead (plan + OpenMP fork/join), which the whole graph pays once: it is measured on a tiny
+    ADD of the profiler's own (run on every thread, as the graph's ops are: waking the other
+    threads is most of it) and subtracted from every node. (No-op nodes, VIEW / RESHAPE / PERMUTE,
+    run on one thread; their ~2 us undercounted the ~20 us of waking a second one, so sums of
+    small ops came out several times their share of the graph.) Call close() when done.
     """
 
     NOOPS = {"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"}
@@ -177,6 +180,7 @@ class OpProfiler:
         self.n = graph.n_nodes
         self.lib = plib
         self.views_ctx = Context(mem_size=self.n * int(plib.ggml_graph_overhead_custom(1, False)) + 1024)
+        self._baseline_objects = self._baseline_graph(backend)
         self.views = []
         for i in range(self.n):
             view = plib.ggml_new_graph_custom(self.views_ctx.handle, 1, False)
@@ -215,7 +219,31 @@ class OpProfiler:
         first = next((lab["i"] for lab in self.labels if lab["phase"] == "fold-in" and lab["kind"] == "matmul"), None)
         self.fold_in_rows = int(graph.node(first).ne[1]) if first is not None else 0
 
+    def _baseline_graph(self, backend):  # noqa: ANN001, ANN202
+        """A one-node graph of a tiny ADD that runs on every thread: what computing a node on its own
+        costs beyond the node's work."""
+        from pyggml_dkv.ggml import Buffer, Context, Gallocr, Graph
+
+        tensors = Context(n_tensors=2)
+        a, b = tensors.new_tensor("f32", 64, 8), tensors.new_tensor("f32", 64, 8)
+        buf = Buffer.alloc_ctx_tensors(tensors, backend)
+        a.set(np.ones((8, 64), np.float32))
+        b.set(np.ones((8, 64), np.float32))
+        g = Context(n_tensors=4, graph_size=4)
+        self.baseline = Graph(g, 4)
+        self.baseline.expand(g.add(a, b))
+        galloc = Gallocr(backend)
+        galloc.alloc_graph(self.baseline)
+        return [galloc, g, buf, tensors]
+
+    def close(self) -> None:
+        for obj in self._baseline_objects:
+            obj.close()
+        self._baseline_objects = []
+        self.views_ctx.close()
+
     def run(self) -> list[float]:
+        """Seconds per node, then (last) the baseline's seconds (min of a few)."""
         times = []
         with self.backend.lock:
             for v in self.views:
@@ -224,13 +252,17 @@ class OpProfiler:
                 times.append(time.perf_counter() - t)
                 if status != 0:
                     raise RuntimeError(f"per-node compute failed with status {status}")
-        return times
+        base = []  # (Graph.compute takes the backend's lock itself)
+        for _ in range(5):
+            t = time.perf_counter()
+            self.baseline.compute(self.backend)
+            base.append(time.perf_counter() - t)
+        return times + [min(base)]
 
     def summarize(self, runs: list[list[float]]) -> dict:
         # min over repetitions per node: interference from other processes only ever adds time
         per_node = np.min(np.asarray(runs), axis=0)
-        noop = [per_node[l["i"]] for l in self.labels if l["kind"] == "no-op"]
-        overhead = float(np.median(noop)) if noop else 0.0
+        overhead = float(per_node[-1])  # the baseline's
         groups: dict[str, float] = {}
         by_weight: dict[str, float] = {}
         by_op: dict[str, float] = {}  # the other ops, by ggml op

@@ -191,7 +191,8 @@ def print_report(results: list[dict], machine: dict, args: argparse.Namespace) -
                   + ", ".join(f"{k}={v:.2f}" for k, v in last["matmul_by_weight_ms"].items()))
                 p(f"other ops by ggml op @W={r['windows'][-1]['window']} (kv_f16): "
                   + ", ".join(f"{k}={v:.2f}" for k, v in last["other_by_op_ms"].items()))
-                p(f"per-node launch overhead ~{last['overhead_per_node_ms'] * 1e3:.0f} us x {last['n_compute_nodes']} compute nodes (subtracted)")
+                p(f"per-node launch overhead (a tiny ADD on every thread, alone) ~{last['overhead_per_node_ms'] * 1e3:.0f} us x "
+                  f"{last['n_compute_nodes']} compute nodes (subtracted)")
         p("\nspeed targets:")
         for t in r["targets"]:
             verdict = "-" if t["ok"] is None else ("PASS" if t["ok"] else "MISS")

@@ -267,6 +267,7 @@ class Bench:
                         return {}
                 runs.append(prof.run())
             out[name] = prof.summarize(runs)
+            prof.close()
             out[name]["threads"] = pt
         return out
 
