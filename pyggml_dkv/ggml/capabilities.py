@@ -165,16 +165,18 @@ def no_amx_requested() -> bool:
 
 
 @functools.cache
-def _cpu_has_amx_bf16() -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (/proc/cpuinfo; empty where it cannot be read):
+    what the CPU has, whatever ggml was compiled for (cpu_features)."""
     try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
+        return frozenset()
 
 
 def amx_bf16_usable() -> bool:
     """AMX-BF16 tiles on this CPU, and PYGGML_DKV_NO_AMX not set (patches 0009, 0029 use them)."""
-    return _cpu_has_amx_bf16() and not no_amx_requested()
+    return "amx_bf16" in cpu_flags() and not no_amx_requested()
 
 
 def bf16_attention_kernel() -> str:

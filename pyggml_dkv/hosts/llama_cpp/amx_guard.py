@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ...ggml.capabilities import cpu_flags
+
 log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 32  # llama.cpp's AMX path takes batches; a decode of 32 rows reaches it
@@ -35,10 +37,7 @@ _verdicts: dict[str, bool] = {}
 
 
 def cpu_has_amx() -> bool:
-    try:
-        return "amx_tile" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    return "amx_tile" in cpu_flags()
 
 
 def _llama_lib_dir() -> Path:
