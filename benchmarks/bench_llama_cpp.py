@@ -58,7 +58,6 @@ from pyggml_dkv import Backend, DraftKvCache, FeatureRing  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp.native_dflash import llama_cpp_available, llama_dflash_bench  # noqa: E402
 from pyggml_dkv.hosts.smollm2 import smollm2_gguf  # noqa: E402
 from pyggml_dkv.ggml import cpu_repack_kernel  # noqa: E402
-from pyggml_dkv.model.backend_weights import repack_buffer  # noqa: E402
 from pyggml_dkv.model.config import DraftConfig  # noqa: E402
 from pyggml_dkv.model.stored import upload_stored  # noqa: E402
 from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
@@ -153,7 +152,7 @@ class Ours:
         """Which kernel runs each of our matrix products (the head's included): description -> count."""
         counts: dict[str, int] = {}
         for t in [t for t in self.bw.tensors.values() if t.ne[1] > 1] + [self.head]:
-            buffer = repack_buffer(self.backend, t.type, t.ne[1], t.ne[0]) if t.is_repacked else None
+            buffer = t.buffer_name
             if buffer == "CPU_REPACK":
                 kernel = cpu_repack_kernel(t.type, t.ne)
             elif buffer == "AMX":

@@ -121,10 +121,13 @@ def roofline_s(cost: dict, bw_gbs: float, gflops: float, peaks: dict | None = No
             "bound": "memory" if t_mem >= t_flop else "compute", "compute_rate_source": source}
 
 
-def kernels_used(kind: str, repack_kind: str | None, attention: str, ne: tuple[int, ...] = (1024, 1024)) -> dict:
+def kernels_used(kind: str, repack_kinds: tuple[str, ...] | str | None, attention: str,
+                 ne: tuple[int, ...] = (1024, 1024)) -> dict:
     """Which CPU kernel runs a cache system's matrix products and attention, and the instruction
-    the roofline charges them to (None: not one we probe, e.g. AMX tiles). `ne`: a matrix's shape
+    the roofline charges them to (None: not one we probe, e.g. AMX tiles). `repack_kinds`: the
+    repacking buffers the weights went to (BackendWeights.repack_kinds). `ne`: a matrix's shape
     (ggml order), where the kernel depends on it (bf16: AMX takes whole 16-row groups)."""
+    kinds = (repack_kinds,) if isinstance(repack_kinds, str) else tuple(repack_kinds or ())
     feats = cpu_features()
     patches = set(built_with_patches())
     if kind == "f16":
@@ -136,9 +139,12 @@ def kernels_used(kind: str, repack_kind: str | None, attention: str, ne: tuple[i
         mm = {"amx": ("bf16 weights x bf16-rounded rows on AMX-BF16 tiles (patch 0029)", None),
               "avx512_bf16": ("bf16 weights x bf16-rounded rows, AVX512-BF16 vdpbf16ps (patch 0019)", "vdpbf16ps"),
               }.get(bf16_matmul_kernel(ne), ("ggml bf16 (llamafile tinyBLAS / vec_dot)", None))
-    elif repack_kind == "AMX":
+    elif kinds == ("AMX", "CPU_REPACK"):  # backend_weights.VNNI_OVER_AMX_NARROW
+        mm = ("q8_0 on AMX int8 tiles (patches 0002, 0007) for fc / k_proj / v_proj, AVX512-VNNI vpdpbusd "
+              "(patch 0010) for the rest", None)
+    elif kinds == ("AMX",):
         mm = ("q8_0 on AMX int8 tiles (patches 0002, 0007)", None)
-    elif repack_kind == "CPU_REPACK":
+    elif kinds == ("CPU_REPACK",):
         mm = ("q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (patch 0010)", "vpdpbusd")
     else:
         mm = ("ggml generic q8_0 (vec_dot / llamafile tinyBLAS)", None)

@@ -140,7 +140,7 @@ class Bench:
                                              ("kv_q8_attbf16", "q8_0", "q8_0", "bf16"), ("kv_bf16", "bf16", "bf16", "f32"),
                                              ("kv_q8_generic", "q8_0_generic", "q8_0", "f32")):
                 if sysname in self.kv:
-                    self.kernels[sysname] = kernels_used(dt, self.bw[bw_key].repack_kind, att)
+                    self.kernels[sysname] = kernels_used(dt, self.bw[bw_key].repack_kinds, att)
         self.torch = {}
         for sysname in TORCH_SYSTEMS:
             if sysname in self.systems:

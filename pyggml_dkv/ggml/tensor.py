@@ -109,6 +109,13 @@ class Tensor:
         return p.buffer != ffi.NULL and p.data != ffi.NULL
 
     @property
+    def buffer_name(self) -> str | None:
+        """The name of the buffer holding the data ("CPU", "AMX", "CPU_REPACK", "CUDA0", ...; the
+        repacking ones say which kernels multiply the tensor), None while unallocated."""
+        p = self._live_ptr()
+        return ffi.string(lib.ggml_backend_buffer_name(p.buffer)).decode() if p.buffer != ffi.NULL else None
+
+    @property
     def data_address(self) -> int:
         """Address of the tensor's data in its buffer (device address for GPU buffers)."""
         return int(ffi.cast("uintptr_t", self._live_ptr().data))

@@ -11,7 +11,7 @@ import numpy as np
 from .config import DraftConfig
 from ..ggml import (Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, cpu_repack_fits,
                     ggml_type, lib, vnni_available, vnni_repack_fits)
-from .tensor_names import is_norm
+from .tensor_names import is_fold_in_matrix, is_norm
 
 if TYPE_CHECKING:  # pragma: no cover
     from .weights import DraftWeights
@@ -28,9 +28,9 @@ NATIVE_FALLBACK = "f16"
 def default_weight_dtype(backend: Backend) -> str:
     """The weight type `dtype="auto"` picks for `backend`.
 
-    The rule: q8_0 on a CPU backend whose ggml has a fast int8 product for it (AMX tiles on Xeons
-    with AMX; our AVX512-VNNI kernel, vendor/patches/0010, on AMD Zen 4/5 and Intel CPUs with VNNI
-    but no AMX): half the bytes of f16 and int8 products (faster steps than f16 on both, see
+    The rule: q8_0 on a CPU backend whose ggml has a fast int8 product for it (AMX tiles and our
+    AVX512-VNNI kernel, vendor/patches/0010, on Xeons with AMX: amx_eligible; that kernel alone on
+    AMD Zen 4/5 and Intel CPUs with VNNI but no AMX): half the bytes of f16 and int8 products (faster steps than f16 on both, see
     benchmarks/README.md). f16 everywhere else: GPUs, and x86 CPUs with only AVX2, where ggml's
     generic q8_0 path was barely faster than f16 for drafts far further from f32 weights.
     """
@@ -42,26 +42,35 @@ def default_weight_dtype(backend: Backend) -> str:
 # Types ggml's AMX buffer takes for which our VNNI kernel is the faster one: q4_0 (patch 0022) took
 # 0.53-0.95 of the time of ggml's AMX q4_0 kernel (which has no 16-row pass like 0007's for q8_0) at
 # 9-34 columns, measured interleaved in one process on an Emerald Rapids (2 threads; the small
-# drafter's shapes and a 49152-row head). q8_0 stays on AMX: 0.85-1.23 either way there, AMX ahead
-# at the noise block's 16 columns.
+# drafter's shapes and a 49152-row head).
 VNNI_OVER_AMX = ("q4_0",)
+# ... and those for which it is the faster one only at a step's few columns: q8_0. A whole step's
+# products (the small drafter's 36 matrices at 16 / 9 columns and a 49152-row head, interleaved in
+# one process on Emerald Rapids, 2 threads) took 0.86-0.92 of their time on AMX tiles, but a bulk
+# append of 2048 prompt rows (1024-row products) 1.48x. So the matrices a bulk append multiplies
+# too (the fold-in's: fc, k_proj, v_proj) stay on AMX, the rest go to VNNI (`bulk=False`).
+VNNI_OVER_AMX_NARROW = ("q8_0",)
 
 
-def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: int) -> bool:
+def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: int, bulk: bool = True) -> bool:
     """Does an (out, in) `dtype` matrix on `backend` go to ggml's AMX kernels (q8_0, and q4_0 where our
-    VNNI layout does not take it, on AMX Xeons)?"""
+    VNNI layout does not take it, on AMX Xeons)? `bulk`: the matrix is also multiplied by many rows at
+    once (a prompt's bulk append); False for one only a step's few rows ever meet (q8_0 then goes to
+    VNNI where its layout takes the matrix)."""
     ne = (in_features, out_features)
     if dtype in VNNI_OVER_AMX and vnni_repack_fits(dtype, ne):
+        return False
+    if not bulk and dtype in VNNI_OVER_AMX_NARROW and vnni_repack_fits(dtype, ne):
         return False
     return backend.is_cpu and amx_fits(dtype, ne) and amx_available()
 
 
-def repack_buffer(backend: Backend, dtype: str, out_features: int, in_features: int) -> str | None:
+def repack_buffer(backend: Backend, dtype: str, out_features: int, in_features: int, bulk: bool = True) -> str | None:
     """The repacking buffer type an (out, in) `dtype` matrix that is only ever multiplied goes to:
     "AMX" (ggml's AMX kernels), else "CPU_REPACK" (our AVX512-VNNI kernels for q8_0 / q4_0 / q4_K /
     q5_K / q6_K, vendor/patches/0010, 0020-0022; ggml's own AVX2 ones for other q4_0 / q4_K shapes:
-    capabilities.cpu_repack_kernel), else None (an ordinary buffer)."""
-    if amx_eligible(backend, dtype, out_features, in_features):
+    capabilities.cpu_repack_kernel), else None (an ordinary buffer). `bulk`: as amx_eligible."""
+    if amx_eligible(backend, dtype, out_features, in_features, bulk):
         return "AMX"
     if backend.is_cpu and cpu_repack_fits(dtype, (in_features, out_features)):
         return "CPU_REPACK"
@@ -112,7 +121,8 @@ class BackendWeights:
         # each into the repacking buffer its type and shape go to (a file may mix types: q4_K matrices
         # in CPU_REPACK beside q8_0 ones in AMX); the others stay in the ordinary buffer
         types = {n: self._matrix_type(weights, n, dtype) for n, a in weights.items() if a.ndim == 2 and not is_norm(n)}
-        kinds = {n: repack_buffer(backend, types[n], *weights[n].shape) for n in types} if repack else {}
+        kinds = {n: repack_buffer(backend, types[n], *weights[n].shape, bulk=is_fold_in_matrix(n))
+                 for n in types} if repack else {}
         kinds = {n: k for n, k in kinds.items() if k is not None}
         self.ctx = Context(n_tensors=len(weights) - len(kinds) + 1)
         self.repacked_ctxs = {k: Context(n_tensors=sum(v == k for v in kinds.values()) + 1)
@@ -214,7 +224,7 @@ def matrix_in_own_buffer(backend: Backend, dtype: str, shape: tuple[int, int], n
     VNNI; see repack_buffer) when it is `matmul_only` and fits, an ordinary one otherwise."""
     ctx = Context(n_tensors=1)
     t = ctx.new_tensor(dtype, shape[1], shape[0], name=name[-63:])
-    kind = repack_buffer(backend, dtype, *shape) if matmul_only else None
+    kind = repack_buffer(backend, dtype, *shape, bulk=False) if matmul_only else None  # a step's head
     if kind is not None:
         buf = Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], backend)
     else:

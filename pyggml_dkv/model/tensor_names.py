@@ -48,3 +48,12 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
 
 def is_norm(name: str) -> bool:
     return name.endswith("norm.weight")
+
+
+# the matrices the context fold-in multiplies: the step's few new rows, and a bulk append's
+# hundreds (drafter.layers.append_rows)
+FOLD_IN_MATRICES = ("fc.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+
+
+def is_fold_in_matrix(name: str) -> bool:
+    return name == FOLD_IN_MATRICES[0] or (name.startswith("layers.") and name.endswith(FOLD_IN_MATRICES[1:]))

@@ -52,12 +52,13 @@ def test_no_amx_environment_switch(cpu, monkeypatch):
 
 
 @needs_amx
-def test_q8_0_matrices_go_to_the_amx_buffer(cpu):
+def test_q8_0_matrices_go_to_the_repacking_buffers(cpu):
+    """All repacked: the fold-in's to AMX, the others to VNNI where it is built (the test below)."""
     w = _weights()
     with w.to_backend(cpu, "q8_0") as bw:
         matrices = [n for n, a in w.items() if a.ndim == 2]
         assert bw.n_repacked == len(matrices) > 0
-        assert {b.name for b in bw.buffers} == {"CPU", "AMX"}
+        assert {b.name for b in bw.buffers} == {"CPU", "AMX"} | ({"CPU_REPACK"} if vnni_available() else set())
         assert all(bw[n].is_repacked for n in matrices)
         assert not any(bw[n].is_repacked for n, a in w.items() if a.ndim == 1)  # norms stay readable
         norm = next(n for n, a in w.items() if a.ndim == 1)
@@ -249,9 +250,48 @@ def test_bf16_products_run_on_amx_tiles(cpu, tmp_path):
 
 
 @needs_amx
+def test_q8_0_matrices_only_a_step_multiplies_go_to_vnni(cpu):
+    """q8_0 on an AMX CPU (backend_weights.VNNI_OVER_AMX_NARROW): the matrices a bulk append
+    multiplies too (fc, k_proj, v_proj) on AMX tiles, the others and an lm_head on our VNNI kernel
+    (0010), faster at a step's few columns; the cache's results stay those of q8_0 arithmetic."""
+    from pyggml_dkv.model.backend_weights import repack_buffer
+
+    if not vnni_available():
+        pytest.skip("no VNNI kernels in this build")
+    assert repack_buffer(cpu, "q8_0", 1024, 1024) == "AMX"
+    assert repack_buffer(cpu, "q8_0", 1024, 1024, bulk=False) == "CPU_REPACK"
+    cfg = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8, n_target_layers=2)
+    host = DraftWeights.random(cfg, seed=2)
+    rng = np.random.default_rng(2)
+    head = rng.standard_normal((512, cfg.hidden)).astype(np.float32) / 8
+    with host.to_backend(cpu, "q8_0") as bw:
+        buffers = {name: t.buffer_name for name, t in bw.tensors.items() if t.ne[1] > 1}
+        bulk = {n for n in buffers if n == "fc.weight" or n.endswith(("k_proj.weight", "v_proj.weight"))}
+        assert len(bulk) == 1 + 2 * cfg.n_layer
+        assert {buffers[n] for n in bulk} == {"AMX"}, buffers
+        assert {buffers[n] for n in set(buffers) - bulk} == {"CPU_REPACK"}, buffers
+        assert bw.repack_kinds == ("AMX", "CPU_REPACK")
+        t, buf = upload_matrix(cpu, head, "q8_0", "lm_head", matmul_only=True)
+        try:
+            assert t.buffer_name == "CPU_REPACK"
+            ring = FeatureRing(64, cfg.fc_in)
+            ring.append(rng.standard_normal((60, cfg.fc_in)).astype(np.float32))
+            noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
+            with DraftKvCache(bw, cpu, 32, lm_head=t) as cache:
+                got = cache.step(ring, 60, noise)  # 60 rows: a bulk append (AMX) and a step (both)
+            with host.to_backend(cpu, "q8_0", repack=False) as plain, DraftKvCache(plain, cpu, 32, lm_head=head) as ref:
+                want = ref.step(ring, 60, noise)  # ggml's generic q8_0 x q8_0 products
+            assert np.abs(got - want).max() < 3e-2 * np.abs(want).max()
+        finally:
+            buf.close()
+            t.ctx.close()
+
+
+@needs_amx
 def test_q4_0_prefers_our_vnni_kernel_to_ggmls_amx_one(cpu, monkeypatch):
     """q4_0 fits ggml's AMX buffer too, but our VNNI kernel (0022) was the faster one side by side
-    (backend_weights.VNNI_OVER_AMX); q8_0 stays on AMX. Without 0022, q4_0 goes back to AMX."""
+    (backend_weights.VNNI_OVER_AMX); q8_0 stays on AMX where bulk appends multiply it. Without 0022,
+    q4_0 goes back to AMX."""
     import pyggml_dkv.ggml.capabilities as C
     from pyggml_dkv.model.backend_weights import repack_buffer
 

@@ -91,6 +91,7 @@ def test_tensor_metadata(be):
         t = ctx.new_tensor("f32", 8, 3, name="x")
         assert (t.ne, t.shape, t.ndim, t.type, t.nbytes, t.nelements) == ((8, 3, 1, 1), (3, 8), 2, "f32", 96, 24)
         assert t.nb == (4, 32, 96, 96) and t.is_contiguous and not t.is_allocated and t.op == "NONE"
+        assert t.buffer_name is None
         v = ctx.new_tensor(lib.GGML_TYPE_I32, 5)
         assert v.shape == (5,) and v.type == "i32" and v.name == ""
         v.name = "idx"
@@ -101,6 +102,7 @@ def test_tensor_metadata(be):
         assert "x" in repr(t) and ctx.used_mem > 0
         with Buffer.alloc_ctx_tensors(ctx, be) as buf:
             assert t.is_allocated and t.data_address != 0
+            assert t.buffer_name == buf.name  # "CPU", "CUDA0", "RPC[...]"
             t.fill(0)
             np.testing.assert_array_equal(t.numpy(), 0)
             t.set_bytes(np.full(8, 1.5, np.float32), offset=8 * 4)
