@@ -24,9 +24,11 @@ from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.ggml._lowlevel import lib
 from tests.ggml.helpers import mul_mat_rows, quantize_q8_0_rows
 
-# on a CPU with AMX the AMX buffer wins; PYGGML_DKV_NO_AMX=1 lets these tests run there too
+# on a CPU with AMX the AMX buffer takes some q8_0 matrices (the fold-in's) and the rules these
+# tests check differ: there they run in a PYGGML_DKV_NO_AMX=1 child (the last test)
 needs_vnni = pytest.mark.skipif(not vnni_available() or amx_available(),
-                                reason="no VNNI q8_0 kernel here (no patch 0010 / AVX512-VNNI), or AMX takes q8_0")
+                                reason="no VNNI q8_0 kernel here (no patch 0010 / AVX512-VNNI), or an AMX CPU "
+                                       "(where a PYGGML_DKV_NO_AMX=1 child runs these)")
 
 CFG = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8,
                   n_target_layers=2, vocab=96)
