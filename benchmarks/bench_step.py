@@ -47,8 +47,10 @@ new context rows are committed and the q_len noise rows are drafted:
 Systems run interleaved: each repetition steps every system once, in an order rotated per
 repetition, so machine noise (other processes, turbo, caches) hits all alike.
 
-Machine probes: memory bandwidth (a 512 MiB numpy copy, read+write bytes / s) and dense matmul rate
-(a 2048^3 numpy float32 matmul), each trial the best of 1 thread and `--threads` threads (on a shared
+Machine probes: memory bandwidth, the roofline's from reading a 512 MiB buffer once (benchmarks/peak_probe.py,
+AVX2 loads; a step reads its weights and K/V, it writes back nothing of that size), and, for reference
+and where that probe cannot run, a 512 MiB numpy copy (read+write bytes / s); and the dense matmul rate
+(a 2048^3 numpy float32 matmul); each trial the best of 1 thread and `--threads` threads (on a shared
 or hyperthreaded machine a second thread may not help); measured before and after the runs, the
 medians of all trials are used.
 Instruction peaks (benchmarks/peak_probe.py): the measured rate of vpdpbusd (AVX512-VNNI), vfmadd231ps
@@ -128,7 +130,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from pyggml_dkv.ggml import cpu_features, cuda_graph_stats  # noqa: E402
-from peak_probe import probe_peaks  # noqa: E402
+from peak_probe import probe_peaks, probe_read_bandwidth  # noqa: E402
 from machine import cpu_name  # noqa: E402
 from step_config import (  # noqa: E402
     CAP,
@@ -232,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(args)
     log("probing memory bandwidth and matmul rate ...")
     bw = probe_bandwidth(args.threads)
+    rd = probe_read_bandwidth(args.threads)
     mm = probe_matmul(args.threads)
     peaks = [probe_peaks(args.threads)] if args.backend == "cpu" else []
     results = []
@@ -239,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(Bench(name, args, args.systems).run())
         gc.collect()
     bw += probe_bandwidth(args.threads)
+    if rd is not None:
+        rd += probe_read_bandwidth(args.threads) or []
     mm += probe_matmul(args.threads)
     if peaks:
         peaks.append(probe_peaks(args.threads))
@@ -246,8 +251,11 @@ def main(argv: list[str] | None = None) -> int:
                                   for k in peaks[0]}
         machine["peaks_samples_gmacs"] = peaks  # before and after the run: a VM's speed can move meanwhile
     machine["cpu_features"] = cpu_features()
-    machine.update({"bandwidth_gbs": float(np.median(bw)), "bandwidth_samples_gbs": bw,
-                    "matmul_gflops": float(np.median(mm)), "matmul_samples_gflops": mm})
+    # the roofline's bandwidth: the read stream's where it could be probed (a step reads its bytes),
+    # else the copy's
+    machine.update({"bandwidth_gbs": float(np.median(rd if rd else bw)), "bandwidth_source": "read" if rd else "copy",
+                    "copy_bandwidth_gbs": float(np.median(bw)), "copy_bandwidth_samples_gbs": bw,
+                    "read_bandwidth_samples_gbs": rd, "matmul_gflops": float(np.median(mm)), "matmul_samples_gflops": mm})
     for r in results:
         analyse(r, machine)
         r["targets"] = targets(r)

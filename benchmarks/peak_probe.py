@@ -59,6 +59,26 @@ static float probe_bf16_impl(long n) {
 int probe_vnni(long n) { return probe_vnni_impl(n); }
 float probe_fma(long n) { return probe_fma_impl(n); }
 float probe_bf16(long n) { return probe_bf16_impl(n); }
+
+/* reads n bytes (a multiple of 128, 32-byte aligned) once, four 32-byte loads per step folded into
+   four accumulators: a read stream, which is what a step does to its weights and K/V */
+__attribute__((target("avx2")))
+static int probe_read_impl(const char * p, long n) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (long i = 0; i < n; i += 128) {
+        /* as the kernels do, ask 4 KB ahead as well as the hardware prefetchers (~7% more here) */
+        _mm_prefetch(p + i + 4096, _MM_HINT_T0);
+        _mm_prefetch(p + i + 4096 + 64, _MM_HINT_T0);
+        a0 = _mm256_xor_si256(a0, _mm256_load_si256((const __m256i *) (p + i)));
+        a1 = _mm256_xor_si256(a1, _mm256_load_si256((const __m256i *) (p + i + 32)));
+        a2 = _mm256_xor_si256(a2, _mm256_load_si256((const __m256i *) (p + i + 64)));
+        a3 = _mm256_xor_si256(a3, _mm256_load_si256((const __m256i *) (p + i + 96)));
+    }
+    const __m256i a = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+    return _mm256_extract_epi32(a, 0) ^ _mm256_extract_epi32(a, 7);
+}
+
+int probe_read(const char * p, long n) { return probe_read_impl(p, n); }
 """
 
 # instruction -> (C function, multiply-adds per instruction, /proc/cpuinfo flags it needs)
@@ -87,7 +107,8 @@ def _load():  # noqa: ANN202
         from cffi import FFI
 
         ffi = FFI()
-        ffi.cdef("int probe_vnni(long n); float probe_fma(long n); float probe_bf16(long n);")
+        ffi.cdef("int probe_vnni(long n); float probe_fma(long n); float probe_bf16(long n); "
+                 "int probe_read(const char * p, long n);")
         ffi.set_source("_pyggml_dkv_peak_probe", _SRC, extra_compile_args=["-O2"])
         tmp = tempfile.mkdtemp(prefix="peak_probe_")
         path = ffi.compile(tmpdir=tmp, verbose=False)
@@ -134,9 +155,50 @@ def probe_peaks(threads: int, trials: int = 3, seconds: float = 0.05) -> dict[st
     return out
 
 
+def probe_read_bandwidth(threads: int, trials: int = 5, mib: int = 512) -> list[float] | None:
+    """GB/s of reading a `mib` MiB buffer once, split over `threads` threads (per trial the best of
+    that and one thread, as bench_step's copy probe), or None where the probe cannot be built or the
+    CPU lacks AVX2. This is the rate the roofline charges a step's bytes at: weights and K/V are
+    read, nothing is written back (a copy's rate, which also writes, is another quantity)."""
+    if "avx2" not in _cpu_flags():
+        return None
+    try:
+        lib = _load()
+    except Exception:  # noqa: BLE001 - no compiler / cffi: the caller falls back
+        return None
+    import numpy as np
+    from cffi import FFI
+
+    ffi = FFI()
+    n = mib * 2**20
+    raw = np.ones(n + 64, dtype=np.uint8)
+    start = raw.ctypes.data + (-raw.ctypes.data) % 64  # the loads are aligned ones
+    part = n // threads // 128 * 128
+    whole = (ffi.cast("const char *", start), n)
+    parts = [(ffi.cast("const char *", start + i * part), part) for i in range(threads)]
+    lib.probe_read(*whole)  # fault the pages in
+    out = []
+    for _ in range(trials):
+        t = time.perf_counter()
+        lib.probe_read(*whole)
+        one = n / (time.perf_counter() - t)
+        ts = [threading.Thread(target=lib.probe_read, args=args) for args in parts]
+        t = time.perf_counter()
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join()
+        many = threads * part / (time.perf_counter() - t)
+        out.append(max(one, many) / 1e9)
+    del raw  # (kept alive until the threads are done)
+    return out
+
+
 if __name__ == "__main__":
     import sys
 
     th = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     for k, v in probe_peaks(th).items():
         print(f"{k:12s} {'-' if v is None else f'{v:.1f} G multiply-adds/s'} ({th} threads)")
+    rd = probe_read_bandwidth(th)
+    print(f"{'read':12s} {'-' if rd is None else f'{max(rd):.1f} GB/s'} ({th} threads)")

@@ -116,12 +116,20 @@ def targets(result: dict) -> list[dict]:
     return out
 
 
+def bandwidth_text(machine: dict) -> str:
+    """The bandwidth the roofline used, and the copy rate beside it (results before the read probe: copy only)."""
+    copy = machine.get("copy_bandwidth_gbs", machine["bandwidth_gbs"])
+    if machine.get("bandwidth_source") == "read":
+        return f"read bandwidth {machine['bandwidth_gbs']:.1f} GB/s (the roofline's; copy {copy:.1f}, read+write)"
+    return f"copy bandwidth {copy:.1f} GB/s (read+write; the roofline's)"
+
+
 def print_report(results: list[dict], machine: dict, args: argparse.Namespace) -> None:
     p = print
     load = machine.get("load_average")
     p(f"\nmachine: {machine['cpu']}, {args.threads} threads, OMP_WAIT_POLICY {machine['omp_wait_policy']}"
-      + (f", load average at start {load[0]:.1f}" if load else "") + f" | copy bandwidth {machine['bandwidth_gbs']:.1f} GB/s "
-      f"(read+write) | f32 matmul {machine['matmul_gflops']:.0f} GFLOP/s | ggml {machine.get('ggml', '?')}"
+      + (f", load average at start {load[0]:.1f}" if load else "") + f" | {bandwidth_text(machine)}"
+      f" | f32 matmul {machine['matmul_gflops']:.0f} GFLOP/s | ggml {machine.get('ggml', '?')}"
       f" | torch {machine.get('torch', '-')}")
     feats = machine.get("cpu_features", {})
     p("cpu features ggml was built for: " + " ".join(k for k, v in feats.items() if v and k != "amx_usable")

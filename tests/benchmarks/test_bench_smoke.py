@@ -20,6 +20,10 @@ def test_bench_step_quick_smoke(tmp_path):
     assert "speed targets" in proc.stdout
     report = json.loads(out.read_text())
     assert report["machine"]["backend"] == "cpu"
+    m = report["machine"]
+    # the roofline's bandwidth is the read stream's where the probe runs (x86 with AVX2 and a compiler)
+    want = m["read_bandwidth_samples_gbs"] if m["bandwidth_source"] == "read" else m["copy_bandwidth_samples_gbs"]
+    assert m["bandwidth_gbs"] > 0 and min(want) <= m["bandwidth_gbs"] <= max(want)
     assert [r["config"] for r in report["results"]] == ["toy", "small"]
     for result in report["results"]:
         assert result["targets"] and result["windows"]
@@ -76,3 +80,17 @@ def test_step_report_warns_when_the_machine_moved_during_the_run(capsys, monkeyp
         step_report.print_report([], {**machine, "peaks_samples_gmacs": samples}, argparse.Namespace(threads=2))
         out = capsys.readouterr().out
         assert ("WARNING: the instruction peaks moved" in out) == warned, out
+
+
+def test_read_bandwidth_probe_and_report_line(monkeypatch):
+    """The read probe measures a positive rate per trial (or is None without AVX2 / a compiler);
+    the report names the bandwidth the roofline used, read or (older results) copy."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import peak_probe
+    import step_report
+
+    rates = peak_probe.probe_read_bandwidth(2, trials=2, mib=16)
+    assert rates is None or (len(rates) == 2 and all(r > 0.1 for r in rates))
+    read = step_report.bandwidth_text({"bandwidth_gbs": 25.0, "bandwidth_source": "read", "copy_bandwidth_gbs": 31.0})
+    assert read.startswith("read bandwidth 25.0 GB/s") and "copy 31.0" in read
+    assert step_report.bandwidth_text({"bandwidth_gbs": 31.0}).startswith("copy bandwidth 31.0 GB/s")
