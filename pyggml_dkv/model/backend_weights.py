@@ -30,8 +30,8 @@ def default_weight_dtype(backend: Backend) -> str:
 
     The rule: q8_0 on a CPU backend whose ggml has a fast int8 product for it (AMX tiles and our
     AVX512-VNNI kernel, vendor/patches/0010, on Xeons with AMX: amx_eligible; that kernel alone on
-    AMD Zen 4/5 and Intel CPUs with VNNI but no AMX): half the bytes of f16 and int8 products (faster steps than f16 on both, see
-    benchmarks/README.md). f16 everywhere else: GPUs, and x86 CPUs with only AVX2, where ggml's
+    AMD Zen 4/5 and Intel CPUs with VNNI but no AMX): half the bytes of f16 and int8 products
+    (faster steps than f16 on both, see benchmarks/README.md). f16 everywhere else: GPUs, and x86 CPUs with only AVX2, where ggml's
     generic q8_0 path was barely faster than f16 for drafts far further from f32 weights.
     """
     if backend.is_cpu and (amx_available() or vnni_available()):
@@ -200,7 +200,8 @@ def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,
     """Upload one (out, in) matrix (e.g. an lm_head or token embedding) into its own buffer.
 
     `matmul_only`: the matrix is only ever multiplied (an lm_head, not an embedding table read
-    with get_rows), so it may be repacked (AMX, CPU_REPACK) like BackendWeights' matrices.
+    with get_rows), so it may be repacked (AMX, CPU_REPACK) like BackendWeights' matrices; as a
+    step's few rows multiply it (repack_buffer's `bulk=False`: q8_0 goes to VNNI on AMX CPUs too).
     """
     arr = np.asarray(array)
     if arr.ndim != 2:
@@ -221,7 +222,8 @@ def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,
 def matrix_in_own_buffer(backend: Backend, dtype: str, shape: tuple[int, int], name: str,
                          matmul_only: bool) -> tuple[Tensor, Buffer]:
     """An empty (out, in) `dtype` matrix in a weights buffer of its own: a repacking one (AMX,
-    VNNI; see repack_buffer) when it is `matmul_only` and fits, an ordinary one otherwise."""
+    VNNI; see repack_buffer, for a matrix a step's few rows multiply) when it is `matmul_only`
+    and fits, an ordinary one otherwise."""
     ctx = Context(n_tensors=1)
     t = ctx.new_tensor(dtype, shape[1], shape[0], name=name[-63:])
     kind = repack_buffer(backend, dtype, *shape, bulk=False) if matmul_only else None  # a step's head
