@@ -269,8 +269,8 @@ def test_q4_k_q5_k_codes_decode_to_ggmls_values(ty):
 @needs_vnni_layouts
 @pytest.mark.parametrize("ty", VNNI_TYPES)
 def test_vnni_product_is_its_exact_arithmetic(ty):
-    """Row counts of a draft step (1 .. 34: tiles of 8 / 4 / 2 / 1), several 16-row groups and
-    256-value blocks: within f32 rounding of the kernel's own arithmetic in float64, equal to the bit
+    """Row counts of a draft step (1 .. 34: tiles of 16 (q4_0, q5_K: 0032) or 8, then 8 / 4 / 2 / 1),
+    several 16-row groups and 256-value blocks: within f32 rounding of the kernel's own arithmetic in float64, equal to the bit
     for 1, 2 or 3 threads (one thread per output; 3 groups: one thread takes groups 0-1 as a pair,
     patch 0023, three threads one each), and near ggml's ordinary product of the type."""
     from pyggml_dkv.ggml import Backend
@@ -279,7 +279,7 @@ def test_vnni_product_is_its_exact_arithmetic(ty):
     rng = np.random.default_rng(11)
     n_out, k = 48, 768
     raw = quantize(ty, rng.standard_normal((n_out, k)).astype(np.float32))
-    for rows in (1, 3, 9, 16, 34):
+    for rows in (1, 3, 9, 16, 24, 34):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         x[0, :256] *= 1e-3  # a block far smaller than the others: its own scale
         by_threads = []
