@@ -287,6 +287,23 @@ def test_q8_0_matrices_only_a_step_multiplies_go_to_vnni(cpu):
             t.ctx.close()
 
 
+def test_amx_placement_rule_on_any_cpu(cpu, monkeypatch):
+    """The rule itself, on any machine (AMX and the VNNI layouts simulated as present): q8_0 goes to
+    AMX unless only a step multiplies it (bulk=False) and the VNNI layout takes it; q4_0 never;
+    f16 has no AMX kernel; without AMX nothing goes there."""
+    import pyggml_dkv.model.backend_weights as BW
+
+    monkeypatch.setattr(BW, "amx_available", lambda: True)
+    monkeypatch.setattr(BW, "amx_fits", lambda dtype, ne: dtype in ("q8_0", "q4_0"))
+    monkeypatch.setattr(BW, "vnni_repack_fits", lambda dtype, ne: dtype in ("q8_0", "q4_0") and ne[1] % 16 == 0)
+    assert BW.amx_eligible(cpu, "q8_0", 1024, 1024) and BW.amx_eligible(cpu, "q8_0", 1024, 1024, bulk=True)
+    assert not BW.amx_eligible(cpu, "q8_0", 1024, 1024, bulk=False)
+    assert BW.amx_eligible(cpu, "q8_0", 1000, 1024, bulk=False)  # rows the VNNI layout cannot group
+    assert not BW.amx_eligible(cpu, "q4_0", 1024, 1024) and not BW.amx_eligible(cpu, "f16", 1024, 1024)
+    monkeypatch.setattr(BW, "amx_available", lambda: False)
+    assert not BW.amx_eligible(cpu, "q8_0", 1024, 1024)
+
+
 @needs_amx
 def test_q4_0_prefers_our_vnni_kernel_to_ggmls_amx_one(cpu, monkeypatch):
     """q4_0 fits ggml's AMX buffer too, but our VNNI kernel (0022) was the faster one side by side
