@@ -190,8 +190,7 @@ def probe_read_bandwidth(threads: int, trials: int = 5, mib: int = 512) -> list[
             th.join()
         many = threads * part / (time.perf_counter() - t)
         out.append(max(one, many) / 1e9)
-    del raw  # (kept alive until the threads are done)
-    return out
+    return out  # (`raw` stays referenced, so alive, until here: the C loads read its memory)
 
 
 if __name__ == "__main__":

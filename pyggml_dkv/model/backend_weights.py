@@ -31,8 +31,9 @@ def default_weight_dtype(backend: Backend) -> str:
     The rule: q8_0 on a CPU backend whose ggml has a fast int8 product for it (AMX tiles and our
     AVX512-VNNI kernel, vendor/patches/0010, on Xeons with AMX: amx_eligible; that kernel alone on
     AMD Zen 4/5 and Intel CPUs with VNNI but no AMX): half the bytes of f16 and int8 products
-    (faster steps than f16 on both, see benchmarks/README.md). f16 everywhere else: GPUs, and x86 CPUs with only AVX2, where ggml's
-    generic q8_0 path was barely faster than f16 for drafts far further from f32 weights.
+    (faster steps than f16 on both, see benchmarks/README.md). f16 everywhere else: GPUs, and x86
+    CPUs with only AVX2, where ggml's generic q8_0 path was barely faster than f16 for drafts far
+    further from f32 weights.
     """
     if backend.is_cpu and (amx_available() or vnni_available()):
         return "q8_0"
@@ -58,9 +59,8 @@ def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: i
     once (a prompt's bulk append); False for one only a step's few rows ever meet (q8_0 then goes to
     VNNI where its layout takes the matrix)."""
     ne = (in_features, out_features)
-    if dtype in VNNI_OVER_AMX and vnni_repack_fits(dtype, ne):
-        return False
-    if not bulk and dtype in VNNI_OVER_AMX_NARROW and vnni_repack_fits(dtype, ne):
+    vnni_first = VNNI_OVER_AMX + (() if bulk else VNNI_OVER_AMX_NARROW)
+    if dtype in vnni_first and vnni_repack_fits(dtype, ne):
         return False
     return backend.is_cpu and amx_fits(dtype, ne) and amx_available()
 
