@@ -55,7 +55,11 @@ or hyperthreaded machine a second thread may not help); measured before and afte
 medians of all trials are used.
 Instruction peaks (benchmarks/peak_probe.py): the measured rate of vpdpbusd (AVX512-VNNI), vfmadd231ps
 (f32 FMA) and vdpbf16ps (AVX512-BF16) on registers, on `--threads` threads, best of 3, before and after
-the runs (median used). Where the products run on those instructions (no AMX: the f16 kernel of
+the runs (median used). On the CPU backend the roofline of each window uses instead the same probes
+taken between its steps (peak_probe.PeakSampler, ~2 ms per instruction plus one read of a 512 MiB
+buffer, one sample per repetition in the systems' rotation; the medians): a shared VM's speed moves
+within seconds, and steps timed in a slow spell were charged against a fast spell's peak. The
+figure with the run's peaks stays in the report as "roofline, run's peaks" (info). Where the products run on those instructions (no AMX: the f16 kernel of
 patch 0004 and f32 attention on FMAs, q8_0 on VNNI (0010), attention="bf16" on vdpbf16ps (0011)) the
 roofline's compute time is the sum over product kinds of multiply-adds / that instruction's peak;
 elsewhere (a CPU with AMX in use: every system; no AVX-512; no compiler for the probe) it is

@@ -79,6 +79,16 @@ static int probe_read_impl(const char * p, long n) {
 }
 
 int probe_read(const char * p, long n) { return probe_read_impl(p, n); }
+
+/* the same probes timed inside C (seconds of the loop alone): PeakSampler's rates between timed
+   steps are then free of the thread start-up a Python-side timer would add to a short probe */
+#include <time.h>
+static double probe_now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+static volatile float probe_sink;
+double timed_vnni(long n) { const double t = probe_now(); probe_sink = (float) probe_vnni_impl(n); return probe_now() - t; }
+double timed_fma(long n) { const double t = probe_now(); probe_sink = probe_fma_impl(n); return probe_now() - t; }
+double timed_bf16(long n) { const double t = probe_now(); probe_sink = probe_bf16_impl(n); return probe_now() - t; }
+double timed_read(const char * p, long n) { const double t = probe_now(); probe_sink = (float) probe_read_impl(p, n); return probe_now() - t; }
 """
 
 # instruction -> (C function, multiply-adds per instruction, /proc/cpuinfo flags it needs)
@@ -108,7 +118,8 @@ def _load():  # noqa: ANN202
 
         ffi = FFI()
         ffi.cdef("int probe_vnni(long n); float probe_fma(long n); float probe_bf16(long n); "
-                 "int probe_read(const char * p, long n);")
+                 "int probe_read(const char * p, long n); double timed_vnni(long n); double timed_fma(long n); "
+                 "double timed_bf16(long n); double timed_read(const char * p, long n);")
         ffi.set_source("_pyggml_dkv_peak_probe", _SRC, extra_compile_args=["-O2"])
         tmp = tempfile.mkdtemp(prefix="peak_probe_")
         path = ffi.compile(tmpdir=tmp, verbose=False)
@@ -191,6 +202,83 @@ def probe_read_bandwidth(threads: int, trials: int = 5, mib: int = 512) -> list[
         many = threads * part / (time.perf_counter() - t)
         out.append(max(one, many) / 1e9)
     return out  # (`raw` stays referenced, so alive, until here: the C loads read its memory)
+
+
+class PeakSampler:
+    """The instruction peaks and the read stream, probed briefly between timed steps.
+
+    A shared VM's speed moves within seconds (twice as fast or slow for a while); peaks probed
+    only before and after a run then charge a step timed in a slow spell against a fast spell's
+    peak. bench_step takes one sample per repetition, in the rotation of the systems it times, so
+    the roofline of a window uses the peaks of the same moments as its steps, by the same
+    statistic (the median). Each probe is sized once to ~`seconds` on one thread and timed inside
+    C; the rate is summed over the threads, each running its own copy at once. The read probe
+    reads a `read_mib` MiB buffer (larger than the last-level caches here), split over the
+    threads, once per sample."""
+
+    def __init__(self, threads: int, seconds: float = 0.002, read_mib: int = 512) -> None:
+        self.threads = threads
+        self._lib = None
+        self._sizes: dict[str, tuple[object, int, int]] = {}  # instruction -> (timed fn, n, macs/instr)
+        self._read: list[tuple[object, int]] = []
+        self._buf = None
+        try:
+            lib = _load()
+        except Exception:  # noqa: BLE001 - no compiler / cffi: no samples
+            return
+        self._lib = lib
+        flags = _cpu_flags()
+        for name, (fn, macs, need) in PROBES.items():
+            if not all(f in flags for f in need):
+                continue
+            timed = getattr(lib, "timed_" + fn.removeprefix("probe_"))
+            n = 1000
+            while timed(n) < seconds and n < 10**9:
+                n *= 2
+            self._sizes[name] = (timed, n, macs)
+        if "avx2" in flags:
+            import numpy as np
+            from cffi import FFI
+
+            ffi = FFI()
+            nbytes = read_mib * 2**20
+            self._buf = np.ones(nbytes + 64, dtype=np.uint8)  # kept: the C loads read its memory
+            start = self._buf.ctypes.data + (-self._buf.ctypes.data) % 64
+            part = nbytes // threads // 128 * 128
+            self._read = [(ffi.cast("const char *", start + i * part), part) for i in range(threads)]
+            lib.probe_read(ffi.cast("const char *", start), nbytes)  # fault the pages in
+
+    @property
+    def available(self) -> bool:
+        return bool(self._sizes)
+
+    def _concurrent(self, fn, args_per_thread: list[tuple]) -> list[float]:  # noqa: ANN001
+        """fn(*args) on one thread each, at once; each call's own seconds."""
+        out = [0.0] * len(args_per_thread)
+
+        def run(i: int) -> None:
+            out[i] = fn(*args_per_thread[i])
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(len(args_per_thread))]
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join()
+        return out
+
+    def sample(self) -> dict[str, float]:
+        """instruction -> G multiply-adds / s now, and "read_gbs" -> GB/s now (where probed)."""
+        out: dict[str, float] = {}
+        for name, (timed, n, macs) in self._sizes.items():
+            secs = self._concurrent(timed, [(n,)] * self.threads)
+            out[name] = sum(n * 12 * macs / s for s in secs) / 1e9
+        if self._read:
+            secs = self._concurrent(self._lib.timed_read, self._read)  # type: ignore[union-attr]
+            out["read_gbs"] = sum(nb / s for (_, nb), s in zip(self._read, secs)) / 1e9
+        return out
+
+    def close(self) -> None:
+        self._buf = None
+        self._read = []
 
 
 if __name__ == "__main__":

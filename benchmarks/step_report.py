@@ -39,42 +39,62 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def window_rates(wres: dict, machine: dict) -> tuple[dict | None, float, str]:
+    """The peaks and read bandwidth a window's roofline uses: those sampled between its steps
+    (PeakSampler), else the run's, probed before and after it (results without samples)."""
+    probes = wres.get("probes") or {}
+    if probes.get("peaks_gmacs"):
+        return probes["peaks_gmacs"], probes.get("read_gbs") or machine["bandwidth_gbs"], "interleaved"
+    return machine.get("peaks_gmacs"), machine["bandwidth_gbs"], "run"
+
+
+def rooflines(result: dict, wres: dict, machine: dict, peaks: dict | None, bw_gbs: float) -> dict:
+    """Roofline of each cache system at one window with the given peaks and bandwidth."""
+    cfg = DraftConfig(**result["shape"])
+    roof = {}
+    for key, dt, sysname in (("f16", "f16", "kv_f16"), ("q8_0", "q8_0", "kv_q8"), ("q8_0_attbf16", "q8_0", "kv_q8_attbf16"),
+                             ("bf16", "bf16", "kv_bf16")):
+        if dt not in result["weight_bytes"]:  # a result recorded before the system existed
+            continue
+        cost = cost_model(cfg, wres["window"], result["n_new"], result["weight_bytes"][dt], result["a_step"])
+        kern = result.get("kernels", {}).get(sysname, {})
+        r = roofline_s(cost, bw_gbs, machine["matmul_gflops"], peaks, kern.get("matmul_instr"), kern.get("attention_instr"))
+        r.update(cost)
+        r["measured_over_roofline"] = ratio(med(wres, sysname), r["ms"])
+        r["system"] = sysname
+        roof[key] = r
+    return roof
+
+
+def best_over_roofline(roof: dict) -> float | None:
+    return min([r["measured_over_roofline"] for r in roof.values() if r["measured_over_roofline"] is not None], default=None)
+
+
 def analyse(result: dict, machine: dict) -> None:
     """Adds roofline and ratios to every window of one config's result."""
-    cfg = DraftConfig(**result["shape"])
     for wres in result["windows"]:
-        W = wres["window"]
-        roof = {}
-        for key, dt, sysname in (("f16", "f16", "kv_f16"), ("q8_0", "q8_0", "kv_q8"), ("q8_0_attbf16", "q8_0", "kv_q8_attbf16"),
-                                 ("bf16", "bf16", "kv_bf16")):
-            if dt not in result["weight_bytes"]:  # a result recorded before the system existed
-                continue
-            cost = cost_model(cfg, W, result["n_new"], result["weight_bytes"][dt], result["a_step"])
-            kern = result.get("kernels", {}).get(sysname, {})
-            r = roofline_s(cost, machine["bandwidth_gbs"], machine["matmul_gflops"], machine.get("peaks_gmacs"),
-                           kern.get("matmul_instr"), kern.get("attention_instr"))
-            r.update(cost)
-            m = med(wres, sysname)
-            r["measured_over_roofline"] = ratio(m, r["ms"])
-            roof[key] = r
+        peaks, bw, source = window_rates(wres, machine)
+        roof = rooflines(result, wres, machine, peaks, bw)
         wres["roofline"] = roof
+        wres["roofline_rates"] = {"source": source, "peaks_gmacs": peaks, "bandwidth_gbs": bw}
+        # the same with the run's peaks (before / after it), for comparison with older results
+        run_roof = rooflines(result, wres, machine, machine.get("peaks_gmacs"), machine["bandwidth_gbs"])
         kv_best = min([x for x in (med(wres, s) for s in KV_SYSTEMS) if x is not None], default=None)
         kv_best_f32 = min([x for x in (med(wres, "kv_f16"), med(wres, "kv_q8")) if x is not None], default=None)
         torch_best = min([x for x in (med(wres, "torch_fp32"), med(wres, "torch_bf16")) if x is not None], default=None)
-        attbf16_over_roof = ratio(med(wres, "kv_q8_attbf16"), roof["q8_0_attbf16"]["ms"])
-        bf16_over_roof = roof["bf16"]["measured_over_roofline"] if "bf16" in roof else None
+        def over(key: str) -> float | None:  # a system's step / its roofline (None: not in this result)
+            return roof[key]["measured_over_roofline"] if key in roof else None
         wres["ratios"] = {
             "step_over_raw": ratio(med(wres, "kv_f16"), med(wres, "raw")),
             "oneshot_over_kv_f16": ratio(med(wres, "oneshot"), med(wres, "kv_f16")),
             "torch_best_over_kv_best": ratio(torch_best, kv_best),
             "torch_best_over_kv_best_f32_attention": ratio(torch_best, kv_best_f32),
-            "kv_f16_over_roofline": roof["f16"]["measured_over_roofline"],
-            "kv_q8_over_roofline": roof["q8_0"]["measured_over_roofline"],
-            "kv_q8_attbf16_over_roofline": attbf16_over_roof,
-            "kv_bf16_over_roofline": bf16_over_roof,
-            "kv_best_over_roofline": min([x for x in (roof["f16"]["measured_over_roofline"],
-                                                      roof["q8_0"]["measured_over_roofline"], attbf16_over_roof, bf16_over_roof)
-                                          if x is not None], default=None),
+            "kv_f16_over_roofline": over("f16"),
+            "kv_q8_over_roofline": over("q8_0"),
+            "kv_q8_attbf16_over_roofline": over("q8_0_attbf16"),
+            "kv_bf16_over_roofline": over("bf16"),
+            "kv_best_over_roofline": best_over_roofline(roof),
+            "kv_best_over_roofline_run_peaks": best_over_roofline(run_roof),
         }
 
 
@@ -109,6 +129,10 @@ def targets(result: dict) -> list[dict]:
         add("roofline", max(vals), "<=", ROOF_MAX, name in ("small", "qwen3-8b"),
             "max over windows of min(kv_f16 / roofline(f16), kv_q8 / roofline(q8_0), kv_q8_attbf16 / roofline(q8_0, bf16 "
             "attention), kv_bf16 / roofline(bf16))")
+    vals = [w["ratios"].get("kv_best_over_roofline_run_peaks") for w in result["windows"]]
+    if vals and all(v is not None for v in vals) and any(w.get("probes") for w in result["windows"]):
+        add("roofline, run's peaks", max(vals), "<=", ROOF_MAX, False,
+            "the same with the peaks and bandwidth probed before / after the run, not between the steps (info)")
     for dt, sysname in (("f16", "kv_f16"), ("q8_0", "kv_q8"), ("bf16", "kv_bf16")):
         vals = [w["ratios"].get(f"{sysname}_over_roofline") for w in result["windows"]]
         if vals and all(v is not None for v in vals):
@@ -155,6 +179,12 @@ def print_report(results: list[dict], machine: dict, args: argparse.Namespace) -
           f"{r['reps']} reps (oneshot {r['oneshot_reps']})")
         for sysname, k in r.get("kernels", {}).items():
             p(f"kernels {sysname}: matrix products: {k['matmul']}; attention: {k['attention']}")
+        probed = [w for w in r["windows"] if w.get("probes")]
+        if probed:
+            p(f"the roofline's peaks (G multiply-adds/s) and read bandwidth, probed between the steps (median of "
+              f"{probed[0]['probes']['n']} per window): " + "; ".join(
+                  f"W {w['window']}: " + ", ".join(f"{k} {v:.0f}" for k, v in w["probes"]["peaks_gmacs"].items())
+                  + (f", read {w['probes']['read_gbs']:.1f} GB/s" if w["probes"].get("read_gbs") else "") for w in probed))
         cols = [s for s in SYSTEMS if any(s in w["systems"] for w in r["windows"])]
         head = f"{'window':>6} | " + " | ".join(f"{c:^21}" for c in cols)
         p("latency of one draft step, ms: median [p10-p90]")

@@ -16,8 +16,11 @@ from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.ggml import bf16_attention_supported
 from pyggml_dkv.model.tensor_names import expected_shapes, is_norm
 
+from peak_probe import PeakSampler
 from step_config import CAP, CONFIGS, DEFAULT_ONESHOT_REPS, DEFAULT_REPS, log, TORCH_SYSTEMS
 from step_probes import kernels_used, OpProfiler
+
+PROBE = "peak probes"  # the pseudo-system of the rotation that samples the machine's peaks
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -92,6 +95,7 @@ class Bench:
         self.reps = args.reps or DEFAULT_REPS[name]
         self.oneshot_reps = min(args.oneshot_reps or DEFAULT_ONESHOT_REPS[name], self.reps)
         self.weight_bytes = {dt: weight_nbytes(self.cfg, dt) for dt in ("f16", "q8_0", "bf16")}
+        self.sampler: PeakSampler | None = None
 
     # -- setup
     def setup(self) -> None:
@@ -134,6 +138,9 @@ class Bench:
             self.kv["kv_q8_attbf16"] = KvSystem("kv_q8_attbf16", self.bw["q8_0"], self.backend, args.cap_per_window,
                                                 attention="bf16")
         self.oneshot = OneShotDrafter(self.bw["f16"], self.backend, CAP) if "oneshot" in self.systems else None
+        if self.backend.is_cpu:
+            sampler = PeakSampler(args.threads)
+            self.sampler = sampler if sampler.available else None
         self.kernels = {}
         if self.backend.is_cpu:
             for sysname, bw_key, dt, att in (("kv_f16", "f16", "f16", "f32"), ("kv_q8", "q8_0", "q8_0", "f32"),
@@ -154,6 +161,8 @@ class Bench:
                 log(f"[{self.name}] torch {dtype} model built ({time.perf_counter() - t0:.1f} s)")
 
     def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
         for s in self.kv.values():
             s.close()
         if self.oneshot is not None:
@@ -219,6 +228,11 @@ class Bench:
         for s, (prep, step) in runners.items():  # a second untimed step each (allocator, caches, OpenMP pools)
             prep()
             step()
+        # the machine's peaks, sampled in the same rotation as the systems (peak_probe.PeakSampler)
+        probe = PROBE if self.sampler is not None else None
+        if probe is not None:
+            active.append(probe)
+        probes: list[dict[str, float]] = []
         log(f"[{self.name}] W={window}: warm-up {time.perf_counter() - t0:.1f} s")
         samples: dict[str, list[float]] = {s: [] for s in active}
         gc.collect()
@@ -231,6 +245,9 @@ class Bench:
                     for s in order:
                         if s == "oneshot" and rep >= self.oneshot_reps:
                             continue
+                        if s == probe:
+                            probes.append(self.sampler.sample())
+                            continue
                         prep, step = runners[s]
                         prep()
                         t = time.perf_counter()
@@ -240,7 +257,10 @@ class Bench:
             gc.enable()
         log(f"[{self.name}] W={window}: {self.reps} reps in {time.perf_counter() - t0:.1f} s")
         for s in active:
-            res["systems"][s] = stats(samples[s])
+            if s != probe:
+                res["systems"][s] = stats(samples[s])
+        if probes:
+            res["probes"] = interleaved_probes(probes)
         if self.args.profile:
             res["profile"] = self.profile_window(window)
         return res
@@ -287,6 +307,14 @@ class Bench:
                 "n_new": self.n_new, "q_len": cfg.block_size, "a_step": a_step, "reps": self.reps,
                 "oneshot_reps": self.oneshot_reps, "cap": CAP, "cap_per_window": self.args.cap_per_window,
                 "weight_bytes": self.weight_bytes, "windows": windows, "kernels": self.kernels}
+
+
+def interleaved_probes(samples: list[dict[str, float]]) -> dict:
+    """The median of each probe over one window's repetitions: the peaks of its steps' moments."""
+    keys = [k for k in samples[0] if all(k in s for s in samples)]
+    med = {k: float(np.median([s[k] for s in samples])) for k in keys}
+    return {"n": len(samples), "peaks_gmacs": {k: v for k, v in med.items() if k != "read_gbs"},
+            "read_gbs": med.get("read_gbs"), "samples": samples}
 
 
 def weight_nbytes(cfg: DraftConfig, dtype: str) -> int:
