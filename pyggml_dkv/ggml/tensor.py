@@ -175,7 +175,9 @@ class Tensor:
             if kind not in "iu":
                 raise TypeError(f"tensor {self.name!r} is {ty}: expected an integer array, got dtype {arr.dtype}")
             info = np.iinfo(INT_DTYPES[ty])
-            if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            # an array of the tensor's own integer type holds only values it can take: no scan
+            # (the step inputs are such arrays, written every step)
+            if arr.dtype != INT_DTYPES[ty] and arr.size and (arr.min() < info.min or arr.max() > info.max):
                 raise ValueError(f"values out of range for {ty} tensor {self.name!r}")
             return np.ascontiguousarray(arr, dtype=INT_DTYPES[ty])
         else:  # pragma: no cover - types we do not expose

@@ -72,6 +72,12 @@ def test_roundtrip_ints(be, rng):
     np.testing.assert_array_equal(_roundtrip(be, "i32", np.arange(6, dtype=np.uint8)), np.arange(6))
     np.testing.assert_array_equal(_roundtrip(be, "i32", np.array([-(2**31), 2**31 - 1], np.int64)),
                                   [-(2**31), 2**31 - 1])
+    # values another integer dtype holds that the tensor's cannot are refused, not wrapped
+    for bad in (np.array([2**31], np.int64), np.array([-(2**31) - 1], np.int64), np.array([2**31], np.uint32)):
+        with pytest.raises(ValueError, match="values out of range for i32"):
+            _roundtrip(be, "i32", bad)
+    with pytest.raises(ValueError, match="values out of range for i8"):
+        _roundtrip(be, "i8", np.array([200], np.int16))
 
 
 @pytest.mark.parametrize("ty, tol", [("q8_0", 8e-3), ("q4_0", 1.5e-1)])
