@@ -66,6 +66,11 @@ def rooflines(result: dict, wres: dict, machine: dict, peaks: dict | None, bw_gb
     return roof
 
 
+def over_roofline(roof: dict, key: str) -> float | None:
+    """One system's step / its roofline (None: the system is not in this result)."""
+    return roof[key]["measured_over_roofline"] if key in roof else None
+
+
 def best_over_roofline(roof: dict) -> float | None:
     return min([r["measured_over_roofline"] for r in roof.values() if r["measured_over_roofline"] is not None], default=None)
 
@@ -82,17 +87,15 @@ def analyse(result: dict, machine: dict) -> None:
         kv_best = min([x for x in (med(wres, s) for s in KV_SYSTEMS) if x is not None], default=None)
         kv_best_f32 = min([x for x in (med(wres, "kv_f16"), med(wres, "kv_q8")) if x is not None], default=None)
         torch_best = min([x for x in (med(wres, "torch_fp32"), med(wres, "torch_bf16")) if x is not None], default=None)
-        def over(key: str) -> float | None:  # a system's step / its roofline (None: not in this result)
-            return roof[key]["measured_over_roofline"] if key in roof else None
         wres["ratios"] = {
             "step_over_raw": ratio(med(wres, "kv_f16"), med(wres, "raw")),
             "oneshot_over_kv_f16": ratio(med(wres, "oneshot"), med(wres, "kv_f16")),
             "torch_best_over_kv_best": ratio(torch_best, kv_best),
             "torch_best_over_kv_best_f32_attention": ratio(torch_best, kv_best_f32),
-            "kv_f16_over_roofline": over("f16"),
-            "kv_q8_over_roofline": over("q8_0"),
-            "kv_q8_attbf16_over_roofline": over("q8_0_attbf16"),
-            "kv_bf16_over_roofline": over("bf16"),
+            "kv_f16_over_roofline": over_roofline(roof, "f16"),
+            "kv_q8_over_roofline": over_roofline(roof, "q8_0"),
+            "kv_q8_attbf16_over_roofline": over_roofline(roof, "q8_0_attbf16"),
+            "kv_bf16_over_roofline": over_roofline(roof, "bf16"),
             "kv_best_over_roofline": best_over_roofline(roof),
             "kv_best_over_roofline_run_peaks": best_over_roofline(run_roof),
         }
