@@ -31,7 +31,9 @@ def greedy_tokens(llm, prompt: np.ndarray, n: int) -> list[int]:
 def test_llama_generate_with_the_adapter() -> None:
     path = smollm2_path()
     with LlamaTarget(path, n_ctx=512, n_threads=THREADS) as plain_target:
-        prompts = [plain_target.tokenize(plain_target.chat_prompt(p)) for p in PROMPTS[:2]]
+        # all four: which prompts meet a near-tie that batch and single-token decodes round apart
+        # depends on the CPU (on a Zen 5 the first two diverge at gaps of 0.06 and 0.002)
+        prompts = [plain_target.tokenize(plain_target.chat_prompt(p)) for p in PROMPTS]
         refs = [plain_greedy(plain_target, p, N_NEW) for p in prompts]
     drafter = OracleDrafter(CFG, 49152, [], seed=0)
     adapter = DFlashLlamaDraftModel(drafter)
@@ -42,7 +44,7 @@ def test_llama_generate_with_the_adapter() -> None:
             adapter(np.array([1, 2, 3], dtype=np.intc))
         adapter.attach(llm)
         identical = 0
-        for prompt, ref in zip(prompts, refs):  # a second prompt on the same Llama and adapter
+        for prompt, ref in zip(prompts, refs):  # more prompts on the same Llama and adapter
             drafter.reference = np.concatenate([prompt, ref.tokens])
             decodes_before = adapter.decodes
             got = np.array(greedy_tokens(llm, prompt, N_NEW))
