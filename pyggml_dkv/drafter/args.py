@@ -92,4 +92,4 @@ def check_token_ids(tokens: Any, q_len: int, vocab: int) -> np.ndarray:
         raise ValueError(f"tokens must be {q_len} integer ids, got {ids.dtype} {ids.shape}")
     if ids.min() < 0 or ids.max() >= vocab:
         raise ValueError(f"token ids must be in [0, {vocab}), got range [{ids.min()}, {ids.max()}]")
-    return ids
+    return np.ascontiguousarray(ids, dtype=np.int32)  # in range: exact as the graph's i32 input

@@ -21,6 +21,7 @@ import numpy as np
 from ..common.checks import check_choice
 from ..ggml import Backend, GGMLError, Graph, Tensor
 from ..ggml.delta import DeltaUpload
+from ..ggml.writer import TensorWriter
 from ..model.backend_weights import BackendWeights
 from ..model.config import DraftConfig
 from . import layers as L
@@ -103,6 +104,7 @@ class DraftKvCache:
         # of the noise block typically only the first row changes (the mask token's embedding
         # repeats): over RPC only those bytes travel (the masks likewise, in StepInputs)
         self._embed_upload = DeltaUpload.for_tensor(self.inp_embed) if self.inp_embed is not None else None
+        self._tokens_in = TensorWriter(self.inp_tokens) if self.inp_tokens is not None else None
         self.ap_feat, self.ap_pos, self.ap_rows = mem.ap_feat, mem.ap_pos, mem.ap_rows
         built = self.graphs[geo.a_step]  # the graph every begin_step's inputs fit (the C-style API's)
         self.g_ctx, self.gf, self.galloc = built.ctx, built.graph, built.galloc
@@ -291,7 +293,7 @@ class DraftKvCache:
                 raise GGMLError(f"output={output!r} needs the cache to be built with an lm_head")
             ids = check_token_ids(tokens, self.q_len, self.embed_tokens.ne[1])
             self.begin_step(ring, committed)
-            self.inp_tokens.set(ids)
+            self._tokens_in.write(ids)  # type: ignore[union-attr]
             self.compute(logits=output == "logits")
             out = {"ids": self.draft_ids, "logits": self.logits, "hidden": self.hidden_states}[output].numpy()
             if output == "ids" and self.head_screen is not None and (out < 0).any():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ggml.delta import DeltaUpload
+from ..ggml.writer import TensorWriter
 from .bulk_append import read_rows
 from .features import FeatureRing
 from .masks import MaskImage, SplitMask, StepMasks
@@ -28,6 +29,9 @@ class StepInputs:
         self._bases: list[tuple[DeltaUpload, np.ndarray]] = []
         self._full = self._mask_upload("mask_full", masks.full)
         self._sliding = self._mask_upload("mask_swa", masks.sliding)
+        # the staging arrays above have the inputs' storage dtypes: written without Tensor.set's per-call checks
+        self._feat_in, self._pos_in = TensorWriter(mem.ap_feat), TensorWriter(mem.ap_pos)
+        self._rows_in, self._pos_q_in = TensorWriter(mem.ap_rows), TensorWriter(mem.pos_q)
 
     def _mask_upload(self, name: str, mask: MaskImage | SplitMask | None) -> DeltaUpload | None:
         """The upload of a mask's per-step part: the whole image, or a split mask's row."""
@@ -52,14 +56,14 @@ class StepInputs:
                 ring.read_into(int(positions[0]), self._feat[:n])
             else:  # a refill below and new rows above (after a rewind)
                 self._feat[:n] = read_rows(ring, positions)
-            self.mem.ap_feat.set_bytes(self._feat[:n])  # only the real rows: padding reads stale, finite rows
-        self.mem.ap_pos.set(self._pos)
-        self.mem.ap_rows.set(self._rows)
+            self._feat_in.write_rows(self._feat[:n])  # only the real rows: padding reads stale, finite rows
+        self._pos_in.write(self._pos)
+        self._rows_in.write(self._rows)
 
     def noise_and_masks(self, slot_pos: np.ndarray, lo: int, committed: int) -> None:
         """Noise positions committed + j, and the masks of the window [lo, committed)."""
         np.add(committed, self._q_offsets, out=self._pos_q)
-        self.mem.pos_q.set(self._pos_q)
+        self._pos_q_in.write(self._pos_q)
         for upload, image in self._bases:
             if not upload.knows_device:
                 upload.upload(image)

@@ -14,7 +14,8 @@ It reads like ggml's `examples/simple/simple-backend.cpp`:
     graph.compute(backend)                        # 5. compute, then read outputs with .numpy()
 
 One module per object: `backend`, `context` (+ `ops`, the ops as Context methods), `tensor`,
-`buffer`, `gallocr`, `graph`; `types` (type names, quantization), `capabilities` (what the build
+`buffer`, `gallocr`, `graph`; `writer` and `delta` (per-step uploads of persistent inputs: checked
+once, or only the changed bytes); `types` (type names, quantization), `capabilities` (what the build
 and machine offer), `owned` / `liveness` (handle and buffer lifetimes), `_lowlevel` (the raw
 cffi `ffi` / `lib`). Owning objects free their ggml handle exactly once: `close()`, a `with`
 block, or the garbage collector. Every call that ggml would answer with an abort is checked

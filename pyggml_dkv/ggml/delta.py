@@ -22,6 +22,7 @@ import numpy as np
 from . import liveness
 from ._lowlevel import ffi, lib
 from .tensor import Tensor, _on_rpc, check_rpc_transfer
+from .writer import TensorWriter, writes_type
 
 # a changed run costs its bytes plus one RPC message: command, sizes, the 296-byte serialized
 # tensor and the offset (~313 bytes); so a run is worth as many unchanged bytes sent along
@@ -42,6 +43,8 @@ class DeltaUpload:
         start = liveness.addr(tensor.ptr.data)
         self.span = (start, start + tensor.nbytes)
         self.buffer_addr = liveness.addr(tensor.ptr.buffer)
+        # a whole upload of an array already in the storage dtype skips Tensor.set's per-call checks
+        self._writer = TensorWriter(tensor) if not enabled and writes_type(tensor.type) and not tensor.is_repacked else None
         if enabled:
             liveness.delta_uploads.add(self)
 
@@ -63,6 +66,11 @@ class DeltaUpload:
     def upload(self, array: np.ndarray) -> None:
         """Make the tensor hold `array` (shape and dtype as Tensor.set takes them)."""
         t = self.tensor
+        w = self._writer
+        if w is not None and isinstance(array, np.ndarray) and array.dtype == w.dtype and array.flags.c_contiguous:
+            w.write(array)
+            self.bytes_sent, self.runs_sent = array.nbytes, 1
+            return
         data = t._to_bytes(array)
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if not self.enabled:
