@@ -46,9 +46,7 @@ class TensorWriter:
         self.dtype = np.dtype(_STORAGE_DTYPES[ty])
         self.shape = tensor.shape
         self.nbytes = tensor.nbytes
-        self.row_nbytes = self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
         self._ptr = p
-        self._start = liveness.addr(p.data)
         self._buffer = liveness.addr(p.buffer)
         self._token = liveness.live_buffers.get(self._buffer)
         self._rpc = _on_rpc(p)
@@ -70,8 +68,9 @@ class TensorWriter:
         return array
 
     def _copy(self, array: np.ndarray) -> None:
-        if liveness.delta_uploads:
-            liveness.forget_deltas_overlapping(self._start, self._start + array.nbytes)
+        if liveness.delta_uploads:  # (the data address read now: a Gallocr may place a tensor anew)
+            start = liveness.addr(self._ptr.data)
+            liveness.forget_deltas_overlapping(start, start + array.nbytes)
         lib.ggml_backend_tensor_set(self._ptr, ffi.from_buffer(array), 0, array.nbytes)
         if self._rpc:
             check_rpc_transfer(self._ptr, self.name)
