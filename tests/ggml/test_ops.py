@@ -54,7 +54,10 @@ NARROW_KERNELS = {"f16": (16, lambda: lib.ggml_cpu_has_avx512() and lib.ggml_cpu
                                      # whole 16-row blocks: bf16 on AMX-BF16 tiles where the CPU has them (0029),
                                      # 1-4 column groups, the last one full or narrower
                                      (16, 32, 1), (48, 1024, 9), (32, 64, 16), (80, 96, 17), (64, 5120, 34),
-                                     (16, 3072, 48), (32, 160, 63), (16, 64, 64)])
+                                     (16, 3072, 48), (32, 160, 63), (16, 64, 64),
+                                     # f16: row groups of 8 blocks with K <= 1024 (0034), whole and partial,
+                                     # a last block of one row; wider K ungrouped
+                                     (205, 1024, 16), (100, 1024, 64), (261, 512, 9), (37, 2048, 16)])
 def test_mul_mat_half_weights_few_columns(rng, wtype, m, k, n):
     """f16 / bf16 weights x up to 64 f32 columns on the narrow AVX-512 kernels. The f16 one keeps the
     columns f32, so against the stored f16 weights only f32 rounding remains; the bf16 one rounds
