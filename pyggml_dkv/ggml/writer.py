@@ -55,7 +55,11 @@ class TensorWriter:
         if self.tensor.ctx.closed:
             raise GGMLError(f"tensor {self.name!r} written after its Context was closed")
         if self._token is None or liveness.live_buffers.get(self._buffer) != self._token:
-            raise GGMLError(f"tensor {self.name!r} lives in a buffer that was closed or reallocated")
+            # its buffer was closed (Tensor's own checks raise), or a Gallocr placed it anew: check again
+            self.tensor._check_io()
+            p = self.tensor.ptr
+            self._buffer = liveness.addr(p.buffer)
+            self._token = liveness.live_buffers.get(self._buffer)
 
     def _check_array(self, array: Any, shape_ok: bool) -> np.ndarray:
         if not isinstance(array, np.ndarray) or array.dtype != self.dtype:
