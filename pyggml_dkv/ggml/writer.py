@@ -5,7 +5,8 @@ repacking buffer, the array's shape, dtype and integer range) and converts the a
 tensor's type. A step graph's inputs are written every step from staging arrays that already have
 the tensor's storage dtype: a TensorWriter does the tensor-side checks once, at creation, and each
 write checks only what can change (the array, and that the tensor's context and buffer are still
-alive) before the copy. About a tenth of Tensor.set's Python work per write.
+alive) before the copy: ~1 us a write against Tensor.set's ~5.5 us in a warm loop (Zen 5), and
+the step's Python runs from cold caches, where each operation saved counts several times over.
 """
 
 from __future__ import annotations
