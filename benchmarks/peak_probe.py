@@ -166,6 +166,23 @@ def probe_peaks(threads: int, trials: int = 3, seconds: float = 0.05) -> dict[st
     return out
 
 
+def _read_buffer(lib, threads: int, mib: int) -> tuple:  # noqa: ANN001
+    """A `mib` MiB buffer for the read probe, its pages faulted in: (the array, which must stay
+    referenced while the C loads read it; (pointer, bytes) of the whole, 64-byte aligned; one
+    (pointer, bytes) part per thread, multiples of 128 bytes)."""
+    import numpy as np
+    from cffi import FFI
+
+    ffi = FFI()
+    n = mib * 2**20
+    raw = np.ones(n + 64, dtype=np.uint8)
+    start = raw.ctypes.data + (-raw.ctypes.data) % 64  # the loads are aligned ones
+    part = n // threads // 128 * 128
+    whole = (ffi.cast("const char *", start), n)
+    lib.probe_read(*whole)
+    return raw, whole, [(ffi.cast("const char *", start + i * part), part) for i in range(threads)]
+
+
 def probe_read_bandwidth(threads: int, trials: int = 5, mib: int = 512) -> list[float] | None:
     """GB/s of reading a `mib` MiB buffer once, split over `threads` threads (per trial the best of
     that and one thread, as bench_step's copy probe), or None where the probe cannot be built or the
@@ -177,17 +194,8 @@ def probe_read_bandwidth(threads: int, trials: int = 5, mib: int = 512) -> list[
         lib = _load()
     except Exception:  # noqa: BLE001 - no compiler / cffi: the caller falls back
         return None
-    import numpy as np
-    from cffi import FFI
-
-    ffi = FFI()
-    n = mib * 2**20
-    raw = np.ones(n + 64, dtype=np.uint8)
-    start = raw.ctypes.data + (-raw.ctypes.data) % 64  # the loads are aligned ones
-    part = n // threads // 128 * 128
-    whole = (ffi.cast("const char *", start), n)
-    parts = [(ffi.cast("const char *", start + i * part), part) for i in range(threads)]
-    lib.probe_read(*whole)  # fault the pages in
+    raw, whole, parts = _read_buffer(lib, threads, mib)
+    n, part = whole[1], parts[0][1]
     out = []
     for _ in range(trials):
         t = time.perf_counter()
@@ -237,16 +245,7 @@ class PeakSampler:
                 n *= 2
             self._sizes[name] = (timed, n, macs)
         if "avx2" in flags:
-            import numpy as np
-            from cffi import FFI
-
-            ffi = FFI()
-            nbytes = read_mib * 2**20
-            self._buf = np.ones(nbytes + 64, dtype=np.uint8)  # kept: the C loads read its memory
-            start = self._buf.ctypes.data + (-self._buf.ctypes.data) % 64
-            part = nbytes // threads // 128 * 128
-            self._read = [(ffi.cast("const char *", start + i * part), part) for i in range(threads)]
-            lib.probe_read(ffi.cast("const char *", start), nbytes)  # fault the pages in
+            self._buf, _, self._read = _read_buffer(lib, threads, read_mib)  # _buf kept: the C loads read it
 
     @property
     def available(self) -> bool:

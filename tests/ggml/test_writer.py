@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyggml_dkv.ggml import Buffer, Context, GGMLError
+from pyggml_dkv.ggml import Buffer, Context, Gallocr, GGMLError, Graph
 from pyggml_dkv.ggml.delta import DeltaUpload
 from pyggml_dkv.ggml.writer import TensorWriter
 
@@ -79,8 +79,6 @@ def test_a_closed_buffer_or_context_raises_not_crashes(be):
 def test_a_tensor_placed_anew_by_a_gallocr_is_written_where_it_is_now(be):
     """A graph's input placed by a Gallocr moves when the graph is allocated again (a new buffer):
     the writer checks the tensor again and writes it there."""
-    from pyggml_dkv.ggml import Gallocr, Graph
-
     with Context(n_tensors=4, graph_size=8) as gctx:
         a = gctx.new_tensor("f32", 4, 2, name="a").set_input()
         g = Graph(gctx, size=8)
