@@ -32,6 +32,12 @@ def test_bench_step_quick_smoke(tmp_path):
         text = json.dumps(result["windows"])
         for system in ("kv_f16", "kv_q8", "kv_bf16", "raw", "oneshot"):
             assert system in text
+        for w in result["windows"]:
+            # the graph compute timed inside each step() is part of it: positive, never longer
+            kv = w["systems"]["kv_f16"]
+            assert 0 < kv["own_graph"]["min_ms"] and kv["own_graph"]["median_ms"] <= kv["median_ms"]
+            assert kv["over_own_graph"]["median"] >= 1.0
+            assert w["ratios"]["step_over_own_graph"] == kv["over_own_graph"]["median"]
 
 
 def test_bench_step_profile_is_of_the_graph_a_step_runs(tmp_path):
@@ -184,3 +190,35 @@ def test_roofline_uses_the_peaks_probed_between_the_steps(monkeypatch):
     assert w["roofline_rates"]["source"] == "run"
     assert w["ratios"]["kv_best_over_roofline"] == w["ratios"]["kv_best_over_roofline_run_peaks"]
     assert "roofline, run's peaks" not in [t["target"] for t in step_report.targets(result)]
+
+
+def test_paired_ratio_is_per_call(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from step_systems import paired_ratio
+
+    # per-call ratios 2, 1.5, 1, 1: their median 1.25, not the medians' ratio 3.5 / 3 = 1.17
+    r = paired_ratio([2.0, 3.0, 4.0, 6.0], [1.0, 2.0, 4.0, 6.0])
+    assert abs(r["median"] - 1.25) < 1e-12
+    assert paired_ratio([1.0], []) == {}
+
+
+def test_host_overhead_target_is_the_paired_ratio(monkeypatch):
+    """The target reads each step()'s own graph time (same call); the unpaired step / raw medians,
+    timed at other moments, are information only; results without the paired timing fall back."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import step_report
+
+    result, machine = _synthetic_result(None)
+    w = result["windows"][0]
+    w["systems"]["raw"] = {"median_ms": 7.5, "p10_ms": 7.0, "p90_ms": 8.0, "n": 5}  # step / raw = 1.33
+    w["systems"]["kv_f16"]["over_own_graph"] = {"median": 1.04, "p90": 1.08}
+    step_report.analyse(result, machine)
+    by_name = {t["target"]: t for t in step_report.targets(result)}
+    assert by_name["host overhead"]["value"] == 1.04 and by_name["host overhead"]["ok"] and by_name["host overhead"]["applies"]
+    vs_raw = by_name["host overhead vs raw"]
+    assert abs(vs_raw["value"] - 10.0 / 7.5) < 1e-9 and not vs_raw["ok"] and not vs_raw["applies"]
+
+    del w["systems"]["kv_f16"]["over_own_graph"]
+    step_report.analyse(result, machine)
+    by_name = {t["target"]: t for t in step_report.targets(result)}
+    assert abs(by_name["host overhead"]["value"] - 10.0 / 7.5) < 1e-9 and "host overhead vs raw" not in by_name
