@@ -195,7 +195,8 @@ def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
     tile (skipped), a tile every row sees whole (an all-zero mask, not converted), two with mixed
     masks; a query row that sees one key only, and a second K/V head; keys no row sees hold NaN.
     70 query rows = a whole 64-row tile + a partial one; 32 and 9 rows = one partial tile (the
-    patched kernel takes >= 8 rows and computes only the valid ones).
+    patched kernel takes >= 8 rows and computes only the valid ones). The first tile asks for the
+    partial one, 4 tiles on, into L2 (0035): a prefetch must leave every output as it was.
     """
     d, n_head, n_kv = 64, 2, 267
     q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
