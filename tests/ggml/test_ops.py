@@ -196,7 +196,9 @@ def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
     masks; a query row that sees one key only, and a second K/V head; keys no row sees hold NaN.
     70 query rows = a whole 64-row tile + a partial one; 32 and 9 rows = one partial tile (the
     patched kernel takes >= 8 rows and computes only the valid ones). The first tile asks for the
-    partial one, 4 tiles on, into L2 (0035): a prefetch must leave every output as it was.
+    partial one, 4 tiles on, into L2 (0035): a prefetch must leave every output as it was. The
+    products run 6-row blocks, then 4-row and single-row tails (0036): 64-key tiles and the 11-key
+    partial one as score rows, 64 / 70 / 32 / 9 queries as output rows.
     """
     d, n_head, n_kv = 64, 2, 267
     q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
