@@ -130,30 +130,60 @@ def _q8_0_round_trip(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d.astype(np.float16).astype(np.float32), q
 
 
+def amx_q8_0_products(n_threads: int, shapes: list[tuple[int, ...]]) -> list[float]:
+    """q8_0 weights in ggml's AMX buffer (96 outputs = 3 blocks of 32 columns, 10 K blocks) times
+    activations of each shape ((rows, k) or a batch (..., rows, k)): the relative error of each
+    product against the exact q8_0 arithmetic in float64 (int8 dot products per 32-value block,
+    times both blocks' f16 scales)."""
+    from pyggml_dkv.ggml import Backend, Buffer
+
+    rng = np.random.default_rng(3)
+    n_out, k = 96, 320
+    w = rng.standard_normal((n_out, k)).astype(np.float32)
+    dw, qw = _q8_0_round_trip(w)
+    errors = []
+    with Backend("cpu", n_threads=n_threads) as backend, Context(n_tensors=1) as ctx:
+        wt = ctx.new_tensor("q8_0", k, n_out, name="w")
+        with Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()["AMX"], backend):
+            wt.set(w)
+            assert wt.buffer_name == "AMX"
+            for shape in shapes:
+                x = rng.standard_normal(shape + (k,)).astype(np.float32)
+                dx, qx = _q8_0_round_trip(x.reshape(-1, k))
+                want = np.einsum("rb,ob,rbi,obi->ro", dx.astype(np.float64), dw.astype(np.float64),
+                                 qx.astype(np.float64), qw.astype(np.float64)).reshape(shape + (n_out,))
+                got = mul_mat_rows(backend, wt, x)
+                assert got.shape == shape + (n_out,)
+                errors.append(relative_error(got, want))
+    return errors
+
+
 @needs_amx
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_amx_product_at_every_row_count(n_threads):
     """The AMX q8_0 product for row counts around its 16-row tiles (vendor/patches/0007 computes at
-    most 16 rows per pass: 16 noise rows, 34 fold-in rows = 16 + 16 + 2), against the exact q8_0
-    arithmetic in float64 (int8 dot products per 32-value block, times both blocks' f16 scales)."""
-    from pyggml_dkv.ggml import Backend
+    most 16 rows per pass: 16 noise rows, 34 fold-in rows = 16 + 16 + 2; 0039 prepares each pass's
+    rows once per product, a partial last block padded), against the exact arithmetic."""
+    shapes = [(rows,) for rows in (1, 2, 5, 9, 15, 16, 17, 31, 32, 33, 34, 40, 64)]
+    for shape, err in zip(shapes, amx_q8_0_products(n_threads, shapes)):
+        assert err < 1e-6, (shape, err)
 
-    rng = np.random.default_rng(3)
-    n_out, k = 96, 320  # 3 blocks of 32 output columns, 10 K blocks
-    w = rng.standard_normal((n_out, k)).astype(np.float32)
-    dw, qw = _q8_0_round_trip(w)
-    with Backend("cpu", n_threads=n_threads) as backend:
-        wt, wbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=True)
-        assert wt.is_repacked
-        for rows in (1, 2, 5, 15, 16, 17, 31, 32, 33, 34, 40, 64):
-            x = rng.standard_normal((rows, k)).astype(np.float32)
-            dx, qx = _q8_0_round_trip(x)
-            want = np.einsum("rb,ob,rbi,obi->ro", dx.astype(np.float64), dw.astype(np.float64),
-                             qx.astype(np.float64), qw.astype(np.float64))
-            got = mul_mat_rows(backend, wt, x)
-            assert got.shape == (rows, n_out)
-            assert relative_error(got, want) < 1e-6, (rows, relative_error(got, want))
-        wbuf.close()
+
+def amx_batched_products_child() -> None:
+    shapes = [(2, 1), (2, 9), (3, 16), (2, 34), (2, 2, 5)]
+    for n_threads in (1, 2):
+        print(n_threads, [f"{e:.1e}" for e in amx_q8_0_products(n_threads, shapes)])
+        assert max(amx_q8_0_products(n_threads, shapes)) < 1e-6
+
+
+@needs_amx
+def test_amx_products_of_batched_rows():
+    """Activations as a batch (sequences x rows x k) times one 2-D AMX matrix: ggml broadcasts the
+    matrix over the batch. ggml's AMX kernel stepped the matrix by the batch (reading past its end)
+    and placed each batch's outputs at 4x their byte offset: garbage, then a corrupted heap
+    (vendor/patches/0040). In a child process: that failure aborts."""
+    proc = run_in_child("tests.ggml.test_amx:amx_batched_products_child")
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
 
 
 def test_extra_buffer_types_are_listed_by_name():

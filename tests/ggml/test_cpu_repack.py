@@ -297,6 +297,31 @@ def test_vnni_product_is_its_exact_arithmetic(ty):
 
 
 @needs_vnni_layouts
+@pytest.mark.parametrize("ty", ["q4_k", "q5_k"])
+def test_vnni_k_quant_sums_at_their_extremes(ty):
+    """Every code, scale and min at its largest (q4_K codes 15, q5_K 31, all 6-bit scales and mins
+    63) times activations that quantize to +-127 throughout: the integer sums reach their bounds. q4_K
+    scales each 16 inputs' sum (at most 16 * 15 * 127 = 30480, an int16) with one vpdpwssd
+    (vendor/patches/0038); a sum over more inputs would wrap there and miss the exact result by far."""
+    from pyggml_dkv.ggml import Backend
+
+    n_out, k = 48, 512  # three 16-row groups: a pair tile (0023) and a single-group one
+    size = {"q4_k": 144, "q5_k": 176}[ty]
+    block = np.full(size, 0xFF, dtype=np.uint8)  # scales, mins (and q5_K's fifth bits), codes: all ones
+    block[0:4] = np.array([0.01, 0.005], dtype=np.float16).view(np.uint8)  # d, dmin
+    raw = np.tile(block, n_out * k // 256)
+    codes, sc, mn, _, _ = _kmin_blocks(ty, raw, n_out, k)
+    assert codes.min() == codes.max() == (15 if ty == "q4_k" else 31) and sc.min() == mn.min() == 63
+    for n_threads in (1, 2):
+        with Backend("cpu", n_threads=n_threads) as cpu:
+            for rows in (1, 9, 16):
+                for sign in (1.0, -1.0):
+                    x = np.full((rows, k), sign, dtype=np.float32)
+                    got = product_in(cpu, "CPU_REPACK", ty, raw, (n_out, k), x)
+                    assert relative_error(got, _kmin_vnni_exact(ty, raw, n_out, x)) < 1e-6, (n_threads, rows, sign)
+
+
+@needs_vnni_layouts
 @pytest.mark.parametrize("ty", VNNI_TYPES)
 def test_vnni_non_finite_rows_stay_non_finite(cpu, ty):
     """A NaN or inf in an activation row makes that row's outputs NaN, as f32 arithmetic would; the
