@@ -63,7 +63,7 @@ from .errors import BackendUnavailableError, GGMLError, RemoteBackendError
 from .gallocr import Gallocr
 from .graph import Graph
 from .owned import live_objects
-from .tensor import Tensor
+from .tensor import Tensor, host_array
 from .types import MAX_DIMS, TYPE_NAMES, TYPES, dequantize, ggml_type, quantize
 
 __all__ = [
@@ -72,6 +72,6 @@ __all__ = [
     "GGMLError", "Gallocr", "Graph", "Tensor", "amx_available", "amx_fits", "available_backends",
     "bf16_attention_kernel", "bf16_attention_supported", "bf16_matmul_kernel", "built_backends", "cpu_features", "cpu_repack_fits", "cpu_repack_kernel", "ggml_repack_fits", "vnni_available", "vnni_fits", "vnni_repack_fits",
     "BF16_ATTENTION_AVX512_PATCH", "VNNI_PATCH", "built_with_patches", "cpu_extra_buffer_types",
-    "cuda_graph_stats", "default_n_threads", "dequantize", "ffi", "ggml_type", "lib", "list_devices",
+    "cuda_graph_stats", "default_n_threads", "dequantize", "ffi", "ggml_type", "host_array", "lib", "list_devices",
     "live_objects", "quantize", "version",
 ]

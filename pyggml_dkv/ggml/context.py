@@ -62,6 +62,7 @@ class Context(OpsMixin, Owned):
         self.mem_size = int(lib.ggml_get_mem_size(handle))
         self.no_alloc = bool(no_alloc)
         self._src_ctxs: set[Context] = set()  # other contexts whose tensors this one's ops point at
+        self._placed: dict[int, Any] = {}  # tensor address -> the numpy array it was placed in (Tensor.place_in)
 
     @property
     def handle(self) -> Any:

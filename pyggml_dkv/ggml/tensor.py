@@ -32,6 +32,16 @@ def _on_rpc(ptr: Any) -> bool:
     return ffi.string(lib.ggml_backend_buft_name(buft)).decode().startswith("RPC")
 
 
+def host_array(shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on a 64-byte boundary (a cache line:
+    ggml's CPU kernels may use aligned vector stores), for Tensor.place_in."""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    raw = np.empty(n + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + n].view(dt).reshape(shape)
+
+
 class Tensor:
     """A view of one ggml tensor. Keeps its Context alive; ggml order `ne`, numpy order `shape`."""
 
@@ -114,6 +124,12 @@ class Tensor:
         repacking ones say which kernels multiply the tensor), None while unallocated."""
         p = self._live_ptr()
         return ffi.string(lib.ggml_backend_buffer_name(p.buffer)).decode() if p.buffer != ffi.NULL else None
+
+    @property
+    def in_host_memory(self) -> bool:
+        """Allocated in memory this process addresses (CPU buffers; not GPU or RPC ones)."""
+        p = self._live_ptr()
+        return p.buffer != ffi.NULL and bool(lib.ggml_backend_buffer_is_host(p.buffer))
 
     @property
     def data_address(self) -> int:
@@ -245,6 +261,39 @@ class Tensor:
         else:  # pragma: no cover
             raise TypeError(f"cannot read a {ty} tensor into numpy")
         return out.reshape(self.shape)
+
+    def place_in(self, array: np.ndarray) -> None:
+        """Make `array`'s memory this tensor's data: a graph computed next writes the tensor's values
+        straight into it, with no copy out afterwards (a draft step's logits: 3 MB a step).
+
+        For a tensor in host memory (a CPU buffer, or placed there by a Gallocr; not a view, not
+        repacked) and a C-contiguous, writable, 64-byte aligned `array` of its shape and storage dtype
+        (float32 for f32, float16 for f16, intN for iN): see `host_array`. The tensor stays there until
+        placed again; its Context keeps `array` alive meanwhile, and a Gallocr allocating its graph
+        again leaves it there. `numpy()` and the graph read and write `array` itself, so writing into
+        `array` changes what the tensor holds."""
+        self._check_io()
+        p = self.ptr
+        if p.view_src != ffi.NULL:
+            raise GGMLError(f"tensor {self.name!r} is a view: place the tensor it views instead")
+        self._check_partial_io("place")
+        if not self.in_host_memory:
+            raise GGMLError(f"tensor {self.name!r} is in a {self.buffer_name} buffer, not host memory: its data cannot move into a numpy array")
+        want = {"f32": np.float32, "f16": np.float16, "f64": np.float64, **INT_DTYPES}.get(self.type)
+        if want is None:
+            raise TypeError(f"tensor {self.name!r} is {self.type}: no numpy dtype holds its storage")
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"expected a numpy array, got {type(array).__name__}")
+        if array.dtype != want or array.shape != self.shape:
+            raise ValueError(f"tensor {self.name!r} needs a {np.dtype(want).name} array of shape {self.shape}, "
+                             f"got {array.dtype.name} {array.shape}")
+        if not array.flags.c_contiguous or not array.flags.writeable:
+            raise ValueError("the array must be C-contiguous and writable")
+        if array.ctypes.data % 64:
+            raise ValueError("the array must be 64-byte aligned (make it with host_array)")
+        self._forget_deltas(0, self.nbytes)
+        self.ctx._placed[int(ffi.cast("uintptr_t", p))] = array
+        p.data = ffi.cast("void *", array.ctypes.data)
 
     def fill(self, value: int) -> None:
         """Set every byte of the tensor's data to `value` (0..255)."""

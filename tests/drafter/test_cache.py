@@ -259,6 +259,26 @@ def test_lm_head_array_and_tensor(small, cpu):
         assert relative_error(c.step(ring, 50, noise), want) < 1e-4
 
 
+def test_logits_are_written_into_the_returned_array(small, cpu):
+    """On the CPU a step's logits are computed straight into the array it returns (Tensor.place_in:
+    no 3 MB copy a step at a real vocabulary): each step returns a new array, an earlier one keeps its
+    values, `logits` reads the last one, and the values are the reference's."""
+    cfg, w, bw = small
+    ring, feats = feature_ring(cfg, 80)
+    lm = np.random.default_rng(4).standard_normal((33, cfg.hidden)).astype(np.float32)
+    noise = noise_for(cfg)
+    with DraftKvCache(bw, cpu, 37, lm_head=lm, cache_type="f32") as c:
+        first = c.step(ring, 50, noise)
+        assert c.logits.data_address == first.ctypes.data  # computed in place, not copied out
+        kept = first.copy()
+        second = c.step(ring, 59, noise)
+        assert second.ctypes.data != first.ctypes.data and c.logits.data_address == second.ctypes.data
+        np.testing.assert_array_equal(first, kept)
+        np.testing.assert_array_equal(c.logits.numpy(), second)
+        assert relative_error(first, R.reference_step(w, feats, 50, 37, noise, lm_head=lm)) < 1e-4
+        assert relative_error(second, R.reference_step(w, feats, 59, 37, noise, lm_head=lm)) < 1e-4
+
+
 @pytest.mark.parametrize("head_dtype,tol", [("q8_0", 3e-2), ("f16", 3e-3), ("f32", 3e-3)])
 def test_lm_head_dtype(cpu, head_dtype, tol):
     """lm_head_dtype uploads an array lm_head in its own type next to f16 weights: its logits carry

@@ -119,3 +119,99 @@ def test_tensor_metadata(be):
     assert repr(t) == "Tensor(<context closed>)"
 
 
+
+
+# ------------------------------------------------------------------ outputs placed in numpy arrays
+def _product_graph(backend, rng):  # noqa: ANN001, ANN202
+    """a @ b.T (a [6, 32], b [5, 32]) as a graph: (inputs' context and buffer, graph context, graph,
+    output, gallocr, the expected product)."""
+    from pyggml_dkv.ggml import Gallocr, Graph
+
+    a, b = rng.standard_normal((6, 32)).astype(np.float32), rng.standard_normal((5, 32)).astype(np.float32)
+    ctx = Context(n_tensors=2)
+    ta, tb = ctx.new_tensor("f32", 32, 6), ctx.new_tensor("f32", 32, 5)
+    buf = Buffer.alloc_ctx_tensors(ctx, backend)
+    ta.set(a)
+    tb.set(b)
+    g = Context(n_tensors=8, graph_size=8)
+    graph = Graph(g, 8)
+    out = graph.expand(g.mul_mat(tb, ta))  # [5, 6]: numpy (6, 5)
+    galloc = Gallocr(backend)
+    galloc.alloc_graph(graph)
+    return (ctx, buf), g, graph, out, galloc, a @ b.T
+
+
+def test_output_placed_in_a_numpy_array(cpu, rng):
+    """A graph output placed in a numpy array: computing writes the values there (no copy out);
+    the tensor reads them back from it; the array outlives the caller's reference (its Context
+    keeps it), and allocating the graph again leaves the tensor where it was placed."""
+    import gc
+
+    from pyggml_dkv.ggml import host_array
+
+    (ctx, buf), g, graph, out, galloc, want = _product_graph(cpu, rng)
+    with ctx, buf, g, galloc:
+        first = host_array(out.shape)
+        assert first.ctypes.data % 64 == 0 and first.shape == (6, 5) and first.dtype == np.float32
+        out.place_in(first)
+        assert out.data_address == first.ctypes.data
+        graph.compute(cpu)
+        np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out.numpy(), first)
+        # a second array: the first keeps its values, the second gets the next results
+        second = host_array(out.shape)
+        out.place_in(second)
+        keep = first.copy()
+        del second
+        gc.collect()  # the Context holds the array the tensor is placed in
+        galloc.alloc_graph(graph)  # reallocating does not move a placed tensor
+        graph.compute(cpu)
+        np.testing.assert_array_equal(first, keep)
+        np.testing.assert_array_equal(out.numpy(), keep)
+
+
+def test_placing_refuses_what_would_break(cpu, rng):
+    from pyggml_dkv.ggml import GGMLError, host_array
+
+    (ctx, buf), g, graph, out, galloc, _ = _product_graph(cpu, rng)
+    with ctx, buf, g, galloc:
+        with pytest.raises(ValueError, match="float32 array of shape"):
+            out.place_in(host_array((5, 6)))
+        with pytest.raises(ValueError, match="float32 array of shape"):
+            out.place_in(host_array((6, 5), np.float64))
+        with pytest.raises(TypeError, match="numpy array"):
+            out.place_in([[0.0] * 5] * 6)  # type: ignore[arg-type]
+        wide = host_array((6, 10))
+        with pytest.raises(ValueError, match="C-contiguous"):
+            out.place_in(wide[:, ::2])
+        ro = host_array((6, 5))
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="writable"):
+            out.place_in(ro)
+        raw = host_array((6 * 5 + 1,))
+        with pytest.raises(ValueError, match="64-byte aligned"):
+            out.place_in(raw[1:].reshape(6, 5))
+    # a matrix stored repacked for a CPU kernel holds no numpy layout
+    from pyggml_dkv.ggml import cpu_extra_buffer_types, cpu_repack_fits
+
+    if "CPU_REPACK" in cpu_extra_buffer_types() and cpu_repack_fits("q8_0", (64, 16)):
+        with Context(n_tensors=1) as wctx:
+            w = wctx.new_tensor("q8_0", 64, 16)
+            with Buffer.alloc_ctx_tensors_from_buft(wctx, cpu_extra_buffer_types()["CPU_REPACK"], cpu):
+                with pytest.raises(GGMLError, match="repacked"):
+                    w.place_in(host_array((16, 64), np.uint8))
+    from pyggml_dkv.ggml import Gallocr, Graph
+
+    with Context(n_tensors=1) as ctx, Context(n_tensors=8, graph_size=8) as g:
+        t = ctx.new_tensor("f32", 8, 2)
+        unallocated = g.view(t, (8,))
+        with pytest.raises(GGMLError, match="has no data"):
+            unallocated.place_in(host_array((8,)))
+        with Buffer.alloc_ctx_tensors(ctx, cpu):
+            t.set(np.ones((2, 8), np.float32))
+            graph = Graph(g, 8)
+            first_row = graph.expand(g.view(g.scale(t, 2.0), (8,)))
+            with Gallocr(cpu) as galloc:
+                galloc.alloc_graph(graph)
+                with pytest.raises(GGMLError, match="is a view"):
+                    first_row.place_in(host_array((8,)))

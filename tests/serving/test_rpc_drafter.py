@@ -3,6 +3,7 @@ exceptions (never an abort or a hang) with the cache refusing further steps."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -55,6 +56,33 @@ def test_rpc_cpu_is_bit_identical_to_local_cpu(cpu, shared_server, dtype):
     assert fold_local and fold_remote  # the remote CPU keeps the CPU graph
     for step, (a, b) in enumerate(zip(local, over_rpc)):
         assert np.array_equal(a, b), f"step {step} differs"
+
+
+def test_logits_over_rpc_are_downloaded(cpu, shared_server):
+    """Logits on the server are downloaded (a local CPU cache computes them into the array it returns
+    instead, Tensor.place_in): the same values to the bit, a new array every step."""
+    from pyggml_dkv.model.backend_weights import upload_matrix
+
+    cfg = DraftConfig.toy()
+    w = DraftWeights.random(cfg, seed=1)
+    lm = np.random.default_rng(5).standard_normal((40, cfg.hidden)).astype(np.float32)
+    feats = np.random.default_rng(2).standard_normal((120, cfg.fc_in)).astype(np.float32)
+    outs = {}
+    for name in ("local", "rpc"):
+        with contextlib.ExitStack() as stack:
+            backend = cpu if name == "local" else stack.enter_context(Backend(shared_server.spec))
+            bw = stack.enter_context(w.to_backend(backend, "f16", repack=False))
+            head, head_buf = upload_matrix(backend, lm, "f16", "lm_head")
+            stack.enter_context(head_buf)
+            c = stack.enter_context(DraftKvCache(bw, backend, CAP, cache_type="f16", lm_head=head))
+            assert c.logits.in_host_memory == (name == "local")
+            ring = FeatureRing(2 * CAP, cfg.fc_in)
+            ring.append(feats)
+            noise = np.full((cfg.block_size, cfg.hidden), 0.25, np.float32)
+            outs[name] = [c.step(ring, committed, noise) for committed in (60, 70)]
+    for a, b in zip(outs["local"], outs["rpc"]):
+        assert a.shape == (cfg.block_size, 40) and np.array_equal(a, b)
+    assert outs["rpc"][0] is not outs["rpc"][1]
 
 
 @pytest.mark.parametrize("swa", ["seed", "per_row"])
