@@ -262,17 +262,18 @@ class DraftKvCache:
         self._check_usable()
         return (self.logit_graphs if logits else self.graphs)[self._bucket].graph
 
-    def _logits_in_new_array(self) -> np.ndarray | None:
-        """A new array that the logits graph of this step writes its logits into, so that they need
-        no copy out (3 MB a step at a 49152-token vocabulary: ~0.3 ms); the returned array is then
-        the step's `logits` until the next step. None without an lm_head, or where the logits are
-        not in host memory (GPU, RPC: they are downloaded)."""
-        logits = self.logit_graphs[self._bucket].logits
-        if logits is None or not logits.in_host_memory:
-            return None
-        out = host_array(logits.shape)
-        logits.place_in(out)
-        return out
+    def _output_in_new_array(self, output: str, logits: bool) -> tuple[Tensor, np.ndarray | None]:
+        """The step's `output` tensor ("logits", "draft_ids" or "hidden_states") of the graph
+        compute(logits) runs next, and a new array that graph writes it into, so that it needs no
+        copy out (logits: 3 MB a step at a 49152-token vocabulary, ~0.3 ms); the array is then the
+        tensor's data until the next step. None where the tensor is not in host memory (GPU, RPC:
+        it is downloaded after the compute)."""
+        tensor = getattr((self.logit_graphs if logits else self.graphs)[self._bucket], output)
+        if not tensor.in_host_memory:
+            return tensor, None
+        out = host_array(tensor.shape, tensor.numpy_dtype)
+        tensor.place_in(out)
+        return tensor, out
 
     def compute(self, logits: bool = False) -> None:
         """Run the step graph (after begin_step and the noise block are set). `logits`: a cache
@@ -283,7 +284,8 @@ class DraftKvCache:
     def step(self, ring: FeatureRing, committed: int, noise_embed: np.ndarray) -> np.ndarray:
         """One draft step: hidden states (q_len, hidden), or logits (q_len, vocab) with an lm_head
         (with lm_head_screen too: the full head's product). A new array each step; on the CPU the
-        logits are computed straight into it (no copy), and `logits` reads it until the next step."""
+        step computes straight into it (no copy out), and `logits` (`hidden_states`) reads it until
+        the next step."""
         with self._exclusive("use one cache per thread"):
             self._check_usable()
             if self.inp_embed is None:
@@ -291,15 +293,13 @@ class DraftKvCache:
             emb = check_noise_embed(noise_embed, self.q_len, self.cfg.hidden)
             self.begin_step(ring, committed)
             self._embed_upload.upload(emb)  # type: ignore[union-attr]
-            direct = self._logits_in_new_array()
+            tensor, out = self._output_in_new_array("hidden_states" if self.lm_head is None else "logits", logits=True)
             self.compute(logits=True)
-            if direct is not None:
-                return direct
-            return (self.logits if self.logits is not None else self.hidden_states).numpy()
+            return tensor.numpy() if out is None else out
 
     def step_tokens(self, ring: FeatureRing, committed: int, tokens: Any, output: str = "ids") -> np.ndarray:
         """One draft step from token ids (needs embed_tokens): `output` "ids" (per-row argmax,
-        needs lm_head), "logits" or "hidden". A new array each step (logits: as step())."""
+        needs lm_head), "logits" or "hidden". A new array each step, computed into as step()'s."""
         with self._exclusive("use one cache per thread"):
             self._check_usable()
             if self.inp_tokens is None:
@@ -310,11 +310,11 @@ class DraftKvCache:
             ids = check_token_ids(tokens, self.q_len, self.embed_tokens.ne[1])
             self.begin_step(ring, committed)
             self._tokens_in.write(ids)  # type: ignore[union-attr]
-            direct = self._logits_in_new_array() if output == "logits" else None
+            name = {"ids": "draft_ids", "logits": "logits", "hidden": "hidden_states"}[output]
+            tensor, out = self._output_in_new_array(name, logits=output == "logits")
             self.compute(logits=output == "logits")
-            if direct is not None:
-                return direct
-            out = {"ids": self.draft_ids, "logits": self.logits, "hidden": self.hidden_states}[output].numpy()
+            if out is None:
+                out = tensor.numpy()
             if output == "ids" and self.head_screen is not None and (out < 0).any():
                 # the screened argmax marks rows it has no id for (ggml/ops_screen.py)
                 if (out == -2).any():

@@ -126,6 +126,11 @@ class Tensor:
         return ffi.string(lib.ggml_backend_buffer_name(p.buffer)).decode() if p.buffer != ffi.NULL else None
 
     @property
+    def numpy_dtype(self) -> Any:
+        """The numpy dtype of the tensor's storage (f32, f16, f64, iN), None for other types."""
+        return {"f32": np.float32, "f16": np.float16, "f64": np.float64, **INT_DTYPES}.get(self.type)
+
+    @property
     def in_host_memory(self) -> bool:
         """Allocated in memory this process addresses (CPU buffers; not GPU or RPC ones)."""
         p = self._live_ptr()
@@ -279,7 +284,7 @@ class Tensor:
         self._check_partial_io("place")
         if not self.in_host_memory:
             raise GGMLError(f"tensor {self.name!r} is in a {self.buffer_name} buffer, not host memory: its data cannot move into a numpy array")
-        want = {"f32": np.float32, "f16": np.float16, "f64": np.float64, **INT_DTYPES}.get(self.type)
+        want = self.numpy_dtype
         if want is None:
             raise TypeError(f"tensor {self.name!r} is {self.type}: no numpy dtype holds its storage")
         if not isinstance(array, np.ndarray):
