@@ -140,8 +140,8 @@ def kernels_used(kind: str, repack_kinds: tuple[str, ...] | str | None, attentio
               "avx512_bf16": ("bf16 weights x bf16-rounded rows, AVX512-BF16 vdpbf16ps (patch 0019)", "vdpbf16ps"),
               }.get(bf16_matmul_kernel(ne), ("ggml bf16 (llamafile tinyBLAS / vec_dot)", None))
     elif kinds == ("AMX", "CPU_REPACK"):  # backend_weights.VNNI_OVER_AMX_NARROW
-        mm = ("q8_0 on AMX int8 tiles (patches 0002, 0007) for fc / k_proj / v_proj, AVX512-VNNI vpdpbusd "
-              "(patch 0010) for the rest", None)
+        mm = ("q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (patch 0010); the bulk appends' copies of fc / k_proj / "
+              "v_proj on AMX int8 tiles (patches 0002, 0007)", "vpdpbusd")
     elif kinds == ("AMX",):
         mm = ("q8_0 on AMX int8 tiles (patches 0002, 0007)", None)
     elif kinds == ("CPU_REPACK",):

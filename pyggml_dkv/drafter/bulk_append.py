@@ -33,6 +33,7 @@ def bulk_append(weights: BackendWeights, backend: Backend, k_cache: list[Tensor]
     """Write the K/V of ascending `positions` into ring slots positions % cap, BULK_CHUNK at a time."""
     cfg = weights.cfg
     size = 64 * cfg.n_layer + 64
+    matrices = weights.bulk  # hundreds of rows: the kernels' copies for those (q8_0 on AMX CPUs)
     for first in range(0, positions.size, BULK_CHUNK):
         chunk = positions[first:first + BULK_CHUNK]
         n = chunk.size
@@ -45,7 +46,7 @@ def bulk_append(weights: BackendWeights, backend: Backend, k_cache: list[Tensor]
                 pos.set(chunk.astype(np.int32))
                 rows.set((chunk % cap).astype(np.int32))
                 graph = Graph(g, size)
-                ks, vs = L.append_rows(g, weights, k_cache, v_cache, feat, pos, rows)
+                ks, vs = L.append_rows(g, matrices, k_cache, v_cache, feat, pos, rows)
                 for t in (*ks, *vs):
                     graph.expand(t)
                 with Gallocr(backend) as galloc:

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..model.backend_weights import BackendWeights
+from ..model.backend_weights import BackendWeights, Matrices
 from ..model.config import DraftConfig
 from ..ggml import Context, Tensor, lib
 
@@ -34,18 +34,18 @@ def rope(g: Context, x: Tensor, pos: Tensor, cfg: DraftConfig) -> Tensor:
                       cfg.ext_factor, cfg.attn_factor, cfg.beta_fast, cfg.beta_slow)
 
 
-def fuse_features(g: Context, w: BackendWeights, feat: Tensor) -> Tensor:
+def fuse_features(g: Context, w: Matrices, feat: Tensor) -> Tensor:
     """feat [fc_in, n] -> RMSNorm(fc @ feat) * hidden_norm  [hidden, n]."""
     return norm(g, g.mul_mat(w["fc.weight"], feat), w["hidden_norm.weight"], w.cfg.rms_eps)
 
 
-def project_heads(g: Context, w: BackendWeights, layer: int, which: str, x: Tensor, n_heads: int) -> Tensor:
+def project_heads(g: Context, w: Matrices, layer: int, which: str, x: Tensor, n_heads: int) -> Tensor:
     """`which`_proj @ x reshaped to [head_dim, n_heads, tokens]."""
     y = g.mul_mat(w.layer(layer, f"self_attn.{which}_proj.weight"), x)
     return g.reshape(y, w.cfg.head_dim, n_heads, x.ne[1])
 
 
-def keys(g: Context, w: BackendWeights, layer: int, x: Tensor, pos: Tensor) -> Tensor:
+def keys(g: Context, w: Matrices, layer: int, x: Tensor, pos: Tensor) -> Tensor:
     """K of tokens x [hidden, n]: per-head RMSNorm * k_norm, RoPE at pos -> [head_dim*n_head_kv, n] f32."""
     cfg = w.cfg
     k = project_heads(g, w, layer, "k", x, cfg.n_head_kv)
@@ -53,7 +53,7 @@ def keys(g: Context, w: BackendWeights, layer: int, x: Tensor, pos: Tensor) -> T
     return g.reshape(k, cfg.head_dim * cfg.n_head_kv, x.ne[1])
 
 
-def values(g: Context, w: BackendWeights, layer: int, x: Tensor) -> Tensor:
+def values(g: Context, w: Matrices, layer: int, x: Tensor) -> Tensor:
     """V of tokens x [hidden, n] -> [head_dim*n_head_kv, n] f32 (no norm)."""
     return g.mul_mat(w.layer(layer, "self_attn.v_proj.weight"), x)
 
@@ -153,7 +153,7 @@ def output_head(g: Context, w: BackendWeights, h: Tensor, lm_head: Tensor | None
     return Head(out, logits)
 
 
-def append_rows(g: Context, w: BackendWeights, k_caches: list[Tensor], v_caches: list[Tensor],
+def append_rows(g: Context, w: Matrices, k_caches: list[Tensor], v_caches: list[Tensor],
                 feat: Tensor, pos: Tensor, rows: Tensor) -> tuple[list[Tensor], list[Tensor]]:
     """Fold-in append: fuse feat [fc_in, n], write each layer's K/V of those rows into the caches at `rows`.
 

@@ -53,12 +53,13 @@ class _WindowGraph:
         self.g = Context(n_tensors=size, graph_size=size)
         g = self.g
         self.graph = Graph(g, size)
-        fused = L.fuse_features(g, w, self.feat)
+        wc = w.bulk  # the context's rows are many: the kernels' copies for those (q8_0 on AMX CPUs)
+        fused = L.fuse_features(g, wc, self.feat)
 
         def kv_of_layer(layer: int, hn: Tensor) -> tuple[Tensor, Tensor]:
             # [context rows ++ noise rows], stored in the cache's type like the ring cache does
-            k = g.concat(L.keys(g, w, layer, fused, self.pos_ctx), L.keys(g, w, layer, hn, self.pos_q), 1)
-            v = g.concat(L.values(g, w, layer, fused), L.values(g, w, layer, hn), 1)
+            k = g.concat(L.keys(g, wc, layer, fused, self.pos_ctx), L.keys(g, w, layer, hn, self.pos_q), 1)
+            v = g.concat(L.values(g, wc, layer, fused), L.values(g, w, layer, hn), 1)
             return g.cast(k, drafter.cache_type), g.cast(v, drafter.cache_type)
 
         head = L.noise_forward(g, w, self.inp_embed, self.pos_q, kv_of_layer, {False: self.mask_full, True: self.mask_swa},

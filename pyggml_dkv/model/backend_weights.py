@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -48,8 +48,10 @@ VNNI_OVER_AMX = ("q4_0",)
 # ... and those for which it is the faster one only at a step's few columns: q8_0. A whole step's
 # products (the small drafter's 36 matrices at 16 / 9 columns and a 49152-row head, interleaved in
 # one process on Emerald Rapids, 2 threads) took 0.86-0.92 of their time on AMX tiles, but a bulk
-# append of 2048 prompt rows (1024-row products) 1.48x. So the matrices a bulk append multiplies
-# too (the fold-in's: fc, k_proj, v_proj) stay on AMX, the rest go to VNNI (`bulk=False`).
+# append of 2048 prompt rows (1024-row products) 1.48x (1.5-1.6x on the model-167 Xeon). So a step
+# multiplies every q8_0 matrix on VNNI (`bulk=False`), and the matrices a bulk append multiplies
+# too (the fold-in's: fc, k_proj, v_proj) get a second copy on AMX tiles for it (BackendWeights.bulk):
+# with the fold-in's on AMX in the steps as well, a step took 1.03x the time (model-167 Xeon).
 VNNI_OVER_AMX_NARROW = ("q8_0",)
 
 
@@ -118,21 +120,29 @@ class BackendWeights:
         self.dtype = dtype
         self.repack = repack
         # every weight matrix is only ever the matrix of a mul_mat, so all that fit may be repacked,
-        # each into the repacking buffer its type and shape go to (a file may mix types: q4_K matrices
-        # in CPU_REPACK beside q8_0 ones in AMX); the others stay in the ordinary buffer
+        # each into the repacking buffer its type and shape go to for a step's few rows (a file may mix
+        # types: q4_K matrices in CPU_REPACK beside q8_0 ones in AMX); the others stay in the ordinary
+        # buffer. The fold-in's matrices, which a bulk append multiplies by hundreds of rows, get a
+        # second copy where the kernel for those differs (q8_0 on AMX CPUs: `bulk`)
         types = {n: self._matrix_type(weights, n, dtype) for n, a in weights.items() if a.ndim == 2 and not is_norm(n)}
-        kinds = {n: repack_buffer(backend, types[n], *weights[n].shape, bulk=is_fold_in_matrix(n))
-                 for n in types} if repack else {}
+        kinds = {n: repack_buffer(backend, types[n], *weights[n].shape, bulk=False) for n in types} if repack else {}
+        bulk_kinds = {n: repack_buffer(backend, types[n], *weights[n].shape, bulk=True)
+                      for n in types if repack and is_fold_in_matrix(n)}
+        bulk_kinds = {n: k for n, k in bulk_kinds.items() if k is not None and k != kinds[n]}
         kinds = {n: k for n, k in kinds.items() if k is not None}
+        placed = [*kinds.values(), *bulk_kinds.values()]
         self.ctx = Context(n_tensors=len(weights) - len(kinds) + 1)
-        self.repacked_ctxs = {k: Context(n_tensors=sum(v == k for v in kinds.values()) + 1)
-                              for k in ("AMX", "CPU_REPACK") if k in kinds.values()}
+        self.repacked_ctxs = {k: Context(n_tensors=placed.count(k) + 1) for k in ("AMX", "CPU_REPACK") if k in placed}
         self.tensors: dict[str, Tensor] = {}
         for name, arr in weights.items():
             ty = types.get(name, "f32")
             ctx = self.repacked_ctxs[kinds[name]] if name in kinds else self.ctx
             # ggml order is the reverse of numpy's: (out, in) -> [in, out]
             self.tensors[name] = ctx.new_tensor(ty, *reversed(arr.shape), name=name[-63:])
+        # the bulk appends' copies (where none is needed, a bulk append reads `tensors`)
+        self.bulk_tensors: dict[str, Tensor] = {
+            name: self.repacked_ctxs[kind].new_tensor(types[name], *reversed(weights[name].shape), name=name[-63:])
+            for name, kind in bulk_kinds.items()}
         self.buffers: list[Buffer] = []
         if len(kinds) < len(weights):
             self.buffers.append(Buffer.alloc_ctx_tensors(self.ctx, backend))
@@ -142,10 +152,13 @@ class BackendWeights:
             buf.set_usage_weights()
         for name, arr in weights.items():
             stored = weights.stored.get(name)
-            if stored is not None and stored.type_name == types.get(name):
-                self.tensors[name].set_bytes(stored.raw)  # the file's own blocks, byte for byte
-            else:
-                self.tensors[name].set(arr)
+            for t in (self.tensors[name], self.bulk_tensors.get(name)):
+                if t is None:
+                    continue
+                if stored is not None and stored.type_name == types.get(name):
+                    t.set_bytes(stored.raw)  # the file's own blocks, byte for byte
+                else:
+                    t.set(arr)
         self.n_repacked = len(kinds)
         log.debug("uploaded %d tensors (%.1f MiB, %s, %d repacked for %s) to %s",
                   len(weights), self.nbytes / 2**20, dtype, self.n_repacked, "/".join(self.repack_kinds) or "-", backend.spec)
@@ -178,6 +191,13 @@ class BackendWeights:
         return self.tensors[f"layers.{i}.{suffix}"]
 
     @property
+    def bulk(self) -> "BackendWeights | BulkWeights":
+        """The weights as products of hundreds of rows read them (a bulk append's, the one-shot
+        graph's context rows): the bulk copies where there are any (q8_0 on AMX CPUs: the fold-in's
+        matrices on AMX tiles), else these same tensors."""
+        return BulkWeights(self) if self.bulk_tensors else self
+
+    @property
     def closed(self) -> bool:
         return self.ctx.closed
 
@@ -193,6 +213,30 @@ class BackendWeights:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Matrices(Protocol):
+    """What graph builders read of uploaded weights: the config and the tensors by name."""
+
+    cfg: DraftConfig
+
+    def __getitem__(self, name: str) -> Tensor: ...
+
+    def layer(self, i: int, suffix: str) -> Tensor: ...
+
+
+class BulkWeights:
+    """BackendWeights seen by products of many rows: its bulk copies in place of the step's tensors."""
+
+    def __init__(self, weights: BackendWeights) -> None:
+        self.cfg = weights.cfg
+        self._weights = weights
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._weights.bulk_tensors.get(name) or self._weights.tensors[name]
+
+    def layer(self, i: int, suffix: str) -> Tensor:
+        return self[f"layers.{i}.{suffix}"]
 
 
 def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,

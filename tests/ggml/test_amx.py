@@ -280,10 +280,13 @@ def test_bf16_products_run_on_amx_tiles(cpu, tmp_path):
 
 
 @needs_amx
-def test_q8_0_matrices_only_a_step_multiplies_go_to_vnni(cpu):
-    """q8_0 on an AMX CPU (backend_weights.VNNI_OVER_AMX_NARROW): the matrices a bulk append
-    multiplies too (fc, k_proj, v_proj) on AMX tiles, the others and an lm_head on our VNNI kernel
-    (0010), faster at a step's few columns; the cache's results stay those of q8_0 arithmetic."""
+def test_q8_0_steps_on_vnni_bulk_appends_on_amx(cpu):
+    """q8_0 on an AMX CPU (backend_weights.VNNI_OVER_AMX_NARROW): a step multiplies every matrix (and
+    an lm_head) on our VNNI kernel (0010), faster at a step's few rows; the matrices a bulk append
+    multiplies too (fc, k_proj, v_proj) have a second copy on AMX tiles, faster at hundreds of rows,
+    which the bulk append's graphs and the one-shot graph's context rows read. The cache's results stay
+    those of q8_0 arithmetic."""
+    from pyggml_dkv.drafter import bulk_append as bulk_module
     from pyggml_dkv.model.backend_weights import repack_buffer
 
     if not vnni_available():
@@ -295,24 +298,40 @@ def test_q8_0_matrices_only_a_step_multiplies_go_to_vnni(cpu):
     rng = np.random.default_rng(2)
     head = rng.standard_normal((512, cfg.hidden)).astype(np.float32) / 8
     with host.to_backend(cpu, "q8_0") as bw:
-        buffers = {name: t.buffer_name for name, t in bw.tensors.items() if t.ne[1] > 1}
-        bulk = {n for n in buffers if n == "fc.weight" or n.endswith(("k_proj.weight", "v_proj.weight"))}
-        assert len(bulk) == 1 + 2 * cfg.n_layer
-        assert {buffers[n] for n in bulk} == {"AMX"}, buffers
-        assert {buffers[n] for n in set(buffers) - bulk} == {"CPU_REPACK"}, buffers
+        matrices = {name for name, t in bw.tensors.items() if t.ne[1] > 1}
+        fold_in = {n for n in matrices if n == "fc.weight" or n.endswith(("k_proj.weight", "v_proj.weight"))}
+        assert len(fold_in) == 1 + 2 * cfg.n_layer
+        assert {bw.tensors[n].buffer_name for n in matrices} == {"CPU_REPACK"}
+        assert set(bw.bulk_tensors) == fold_in and {t.buffer_name for t in bw.bulk_tensors.values()} == {"AMX"}
+        assert bw.bulk["fc.weight"] is bw.bulk_tensors["fc.weight"] and bw.bulk["layers.0.mlp.up_proj.weight"] is bw["layers.0.mlp.up_proj.weight"]
         assert bw.repack_kinds == ("AMX", "CPU_REPACK")
         t, buf = upload_matrix(cpu, head, "q8_0", "lm_head", matmul_only=True)
+        read_by_bulk = []
+        real_append_rows = bulk_module.L.append_rows
+
+        def spy(g, w, *args):  # noqa: ANN001, ANN202
+            read_by_bulk.append(w["fc.weight"].buffer_name)
+            return real_append_rows(g, w, *args)
+
         try:
             assert t.buffer_name == "CPU_REPACK"
             ring = FeatureRing(64, cfg.fc_in)
             ring.append(rng.standard_normal((60, cfg.fc_in)).astype(np.float32))
             noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
+            bulk_module.L.append_rows = spy
             with DraftKvCache(bw, cpu, 32, lm_head=t) as cache:
-                got = cache.step(ring, 60, noise)  # 60 rows: a bulk append (AMX) and a step (both)
+                assert set(read_by_bulk) == {"CPU_REPACK"}  # the step graphs' fold-ins, built at init
+                read_by_bulk.clear()
+                got = cache.step(ring, 60, noise)  # 60 rows: a bulk append (AMX) and a step (VNNI)
+            assert read_by_bulk == ["AMX"]
+            with OneShotDrafter(bw, cpu, 32, lm_head=t) as oneshot:
+                got_oneshot = oneshot.step(ring, 60, noise)
             with host.to_backend(cpu, "q8_0", repack=False) as plain, DraftKvCache(plain, cpu, 32, lm_head=head) as ref:
                 want = ref.step(ring, 60, noise)  # ggml's generic q8_0 x q8_0 products
             assert np.abs(got - want).max() < 3e-2 * np.abs(want).max()
+            assert np.abs(got_oneshot - want).max() < 3e-2 * np.abs(want).max()
         finally:
+            bulk_module.L.append_rows = real_append_rows
             buf.close()
             t.ctx.close()
 
