@@ -51,7 +51,7 @@ VNNI_OVER_AMX = ("q4_0",)
 # append of 2048 prompt rows (1024-row products) 1.48x (1.5-1.6x on the model-167 Xeon). So a step
 # multiplies every q8_0 matrix on VNNI (`bulk=False`), and the matrices a bulk append multiplies
 # too (the fold-in's: fc, k_proj, v_proj) get a second copy on AMX tiles for it (BackendWeights.bulk):
-# with the fold-in's on AMX in the steps as well, a step took 1.03x the time (model-167 Xeon).
+# with the fold-in's on AMX in the steps as well, a step took 1.01-1.02x the time (model-167 Xeon).
 VNNI_OVER_AMX_NARROW = ("q8_0",)
 
 
@@ -233,7 +233,8 @@ class BulkWeights:
         self._weights = weights
 
     def __getitem__(self, name: str) -> Tensor:
-        return self._weights.bulk_tensors.get(name) or self._weights.tensors[name]
+        copy = self._weights.bulk_tensors.get(name)
+        return copy if copy is not None else self._weights.tensors[name]
 
     def layer(self, i: int, suffix: str) -> Tensor:
         return self[f"layers.{i}.{suffix}"]
