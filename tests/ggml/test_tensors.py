@@ -119,8 +119,6 @@ def test_tensor_metadata(be):
     assert repr(t) == "Tensor(<context closed>)"
 
 
-
-
 # ------------------------------------------------------------------ outputs placed in numpy arrays
 def _product_graph(backend, rng):  # noqa: ANN001, ANN202
     """a @ b.T (a [6, 32], b [5, 32]) as a graph: (inputs' context and buffer, graph context, graph,
@@ -171,7 +169,7 @@ def test_output_placed_in_a_numpy_array(cpu, rng):
 
 
 def test_placing_refuses_what_would_break(cpu, rng):
-    from pyggml_dkv.ggml import GGMLError, host_array
+    from pyggml_dkv.ggml import Gallocr, GGMLError, Graph, cpu_extra_buffer_types, cpu_repack_fits, host_array
 
     (ctx, buf), g, graph, out, galloc, _ = _product_graph(cpu, rng)
     with ctx, buf, g, galloc:
@@ -192,16 +190,13 @@ def test_placing_refuses_what_would_break(cpu, rng):
         with pytest.raises(ValueError, match="64-byte aligned"):
             out.place_in(raw[1:].reshape(6, 5))
     # a matrix stored repacked for a CPU kernel holds no numpy layout
-    from pyggml_dkv.ggml import cpu_extra_buffer_types, cpu_repack_fits
-
     if "CPU_REPACK" in cpu_extra_buffer_types() and cpu_repack_fits("q8_0", (64, 16)):
         with Context(n_tensors=1) as wctx:
             w = wctx.new_tensor("q8_0", 64, 16)
             with Buffer.alloc_ctx_tensors_from_buft(wctx, cpu_extra_buffer_types()["CPU_REPACK"], cpu):
                 with pytest.raises(GGMLError, match="repacked"):
                     w.place_in(host_array((16, 64), np.uint8))
-    from pyggml_dkv.ggml import Gallocr, Graph
-
+    # views: unallocated, or placed with the tensor they view
     with Context(n_tensors=1) as ctx, Context(n_tensors=8, graph_size=8) as g:
         t = ctx.new_tensor("f32", 8, 2)
         unallocated = g.view(t, (8,))
