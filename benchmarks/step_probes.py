@@ -138,6 +138,7 @@ def kernels_used(kind: str, repack_kinds: tuple[str, ...] | str | None, attentio
     elif kind == "bf16":
         mm = {"amx": ("bf16 weights x bf16-rounded rows on AMX-BF16 tiles (patch 0029)", None),
               "avx512_bf16": ("bf16 weights x bf16-rounded rows, AVX512-BF16 vdpbf16ps (patch 0019)", "vdpbf16ps"),
+              "avx512_fma": ("bf16 weights x f32 rows, AVX-512 FMA (patch 0041)", "vfmadd231ps"),
               }.get(bf16_matmul_kernel(ne), ("ggml bf16 (llamafile tinyBLAS / vec_dot)", None))
     elif kinds == ("AMX", "CPU_REPACK"):  # backend_weights.VNNI_OVER_AMX_NARROW
         mm = ("q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (patch 0010); the bulk appends' copies of fc / k_proj / "

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..common.checks import is_int
 from . import rpc
 from ._lowlevel import ffi, lib
-from .capabilities import built_backends, cuda_device_count, default_n_threads
+from .capabilities import bf16_products_requested, built_backends, cuda_device_count, default_n_threads
 from .errors import BackendUnavailableError, GGMLError, RemoteBackendError
 from .owned import Owned
 
@@ -47,6 +47,7 @@ class Backend(Owned):
                 raise ValueError(f"CPU backend spec is just 'cpu', got {spec!r}")
             if n_threads is not None:
                 Backend._check_n_threads(n_threads)  # before a handle exists to leak
+            bf16_products_requested()  # a misspelt PYGGML_DKV_BF16_PRODUCTS: ggml would ignore it
             handle = lib.ggml_backend_cpu_init()
             if handle == ffi.NULL:
                 raise GGMLError("ggml_backend_cpu_init failed")

@@ -192,24 +192,59 @@ def bf16_attention_kernel() -> str:
 
 
 # bf16 weights times a draft block's few columns: on AMX-BF16 tiles (vendor/patches/0029), else with
-# AVX512-BF16 dot products (0019); the same arithmetic (columns rounded to bf16, f32 sums)
+# AVX512-BF16 dot products (0019; columns rounded to bf16, f32 sums) or on f32 FMAs (0041; exact bf16
+# weights x f32 columns, f32 sums), by the CPU's vendor (bf16_products_on_fma)
 BF16_MATMUL_PATCH = "0019-cpu-mul-mat-bf16-narrow.patch"
 BF16_MATMUL_AMX_PATCH = "0029-cpu-mul-mat-bf16-amx-narrow.patch"
+BF16_MATMUL_FMA_PATCH = "0041-cpu-mul-mat-bf16-narrow-fma.patch"
+BF16_PRODUCTS_ENV = "PYGGML_DKV_BF16_PRODUCTS"
+BF16_PRODUCTS_CHOICES = ("fma", "dpbf16")
+
+
+def bf16_products_requested() -> str | None:
+    """PYGGML_DKV_BF16_PRODUCTS: "fma" or "dpbf16" forces how bf16 weights without AMX tiles are
+    multiplied (patch 0041 reads it too); unset or empty: the CPU's rule. Raises ValueError on
+    any other value (ggml would silently take the default)."""
+    value = os.environ.get(BF16_PRODUCTS_ENV, "")
+    if value == "":
+        return None
+    if value not in BF16_PRODUCTS_CHOICES:
+        raise ValueError(f"{BF16_PRODUCTS_ENV}={value!r}: expected one of {', '.join(BF16_PRODUCTS_CHOICES)} (or unset)")
+    return value
+
+
+def bf16_products_on_fma() -> bool:
+    """Whether bf16 weights without AMX tiles are multiplied on f32 FMAs (0041) rather than with
+    vdpbf16ps (0019), as patch 0041 decides: vdpbf16ps runs at twice the FMA's multiply-adds on AMD's
+    Zen 4 / Zen 5 and at half of them on Intel's Sapphire / Emerald Rapids, so AMD keeps vdpbf16ps and
+    every other CPU takes the FMAs (the only choice where AVX512-BF16 is missing);
+    PYGGML_DKV_BF16_PRODUCTS overrides (dpbf16 only where the CPU has it)."""
+    forced = bf16_products_requested()
+    if not lib.ggml_cpu_has_avx512_bf16():
+        return True
+    if forced is not None:
+        return forced == "fma"
+    return "AuthenticAMD" not in cpu_flags()
 
 
 def bf16_matmul_kernel(ne: tuple[int, ...] = (1024, 1024), n_columns: int = 16) -> str:
     """What a product of bf16 weights of shape `ne` (ggml order: inputs, outputs) with `n_columns`
     f32 columns runs on here: "amx" (AMX-BF16 tiles: whole 32-input blocks and 16-row groups, up to
-    64 columns), "avx512_bf16" (vdpbf16ps: whole 32-input blocks, up to 64 columns) or "ggml"
-    (ggml's own bf16 path: llamafile / its dot products)."""
+    64 columns), "avx512_bf16" (vdpbf16ps: whole 32-input blocks, up to 64 columns), "avx512_fma"
+    (f32 FMAs: whole 32-input blocks, up to 64 columns) or "ggml" (ggml's own bf16 path: llamafile /
+    its dot products)."""
     ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
     patches = built_with_patches()
     narrow = ne4[0] % 32 == 0 and ne4[2:] == (1, 1) and n_columns <= 64
-    if not narrow or BF16_MATMUL_PATCH not in patches or not lib.ggml_cpu_has_avx512_bf16():
+    if not narrow:
         return "ggml"
-    if amx_bf16_usable() and BF16_MATMUL_AMX_PATCH in patches and ne4[1] % 16 == 0:
+    dpbf16 = BF16_MATMUL_PATCH in patches and bool(lib.ggml_cpu_has_avx512_bf16())
+    if dpbf16 and amx_bf16_usable() and BF16_MATMUL_AMX_PATCH in patches and ne4[1] % 16 == 0:
         return "amx"
-    return "avx512_bf16"
+    fma = BF16_MATMUL_FMA_PATCH in patches and bool(lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c())
+    if fma and bf16_products_on_fma():
+        return "avx512_fma"
+    return "avx512_bf16" if dpbf16 else "ggml"
 
 
 def amx_available() -> bool:

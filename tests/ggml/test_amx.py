@@ -13,7 +13,7 @@ from tests.child import run_in_child
 from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter
 from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
-from pyggml_dkv.ggml import (Context, Gallocr, GGMLError, Graph, amx_available, bf16_matmul_kernel, cpu_extra_buffer_types,
+from pyggml_dkv.ggml import (Context, Gallocr, GGMLError, Graph, amx_available, bf16_matmul_kernel, bf16_products_on_fma, cpu_extra_buffer_types,
                              cpu_features, vnni_available)
 from pyggml_dkv.model.backend_weights import upload_matrix
 from tests.ggml.helpers import mul_mat_rows
@@ -252,11 +252,13 @@ def test_bf16_product_kernel_rule(monkeypatch):
     assert bf16_matmul_kernel((1024, 1024), n_columns=65) == "ggml"
     assert bf16_matmul_kernel((1000, 1024)) == "ggml"
     rule = bf16_matmul_kernel((1024, 1024))
-    assert rule == ("ggml" if not cpu_features()["avx512_bf16"] else rule) and rule in ("amx", "avx512_bf16", "ggml")
+    assert rule in ("amx", "avx512_bf16", "avx512_fma", "ggml")
     if rule == "amx":
-        assert bf16_matmul_kernel((1024, 1000)) == "avx512_bf16"  # rows that are not whole 16-row groups
+        # rows that are not whole 16-row groups: vdpbf16ps or FMAs, by the CPU (tests/ggml/test_bf16_products.py)
+        without_tiles = "avx512_fma" if bf16_products_on_fma() else "avx512_bf16"
+        assert bf16_matmul_kernel((1024, 1000)) == without_tiles
         monkeypatch.setenv("PYGGML_DKV_NO_AMX", "1")  # ggml reads the same switch
-        assert bf16_matmul_kernel((1024, 1024)) == "avx512_bf16"
+        assert bf16_matmul_kernel((1024, 1024)) == without_tiles
 
 
 @needs_amx_bf16
@@ -272,7 +274,7 @@ def test_bf16_products_run_on_amx_tiles(cpu, tmp_path):
     w, x = bf16_operands()
     amx = compute(cpu, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b))
     proc = run_in_child("tests.ggml.amx_child:bf16_product", str(tmp_path / "vdpbf16ps.npy"),
-                        env={**os.environ, "PYGGML_DKV_NO_AMX": "1"})
+                        env={**os.environ, "PYGGML_DKV_NO_AMX": "1", "PYGGML_DKV_BF16_PRODUCTS": "dpbf16"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     vdp = np.load(tmp_path / "vdpbf16ps.npy")
     want = from_bf16_bits(to_bf16_bits(x)).astype(np.float64) @ from_bf16_bits(to_bf16_bits(w)).astype(np.float64).T

@@ -14,6 +14,7 @@ from pyggml_dkv.ggml._lowlevel import lib
 from pyggml_dkv.ggml import (
     Backend,
     Context,
+    bf16_matmul_kernel,
 )
 from pyggml_dkv.common.bf16 import from_bf16_bits as bf16_bits_to_fp32, to_bf16_bits as fp32_to_bf16_bits
 from pyggml_dkv.common.numeric import relative_error
@@ -42,10 +43,10 @@ def _as_bf16(a: np.ndarray) -> np.ndarray:
     return bf16_bits_to_fp32(fp32_to_bf16_bits(a)).astype(np.float64)
 
 
-# the narrow kernels (f16: vendor/patches/0004, bf16: 0019): the input width they need whole vectors
-# of, and whether this CPU runs them
-NARROW_KERNELS = {"f16": (16, lambda: lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c()),
-                  "bf16": (32, lambda: lib.ggml_cpu_has_avx512_bf16())}
+# the narrow kernels (f16: vendor/patches/0004; bf16: 0019, 0029, 0041): whether this CPU runs them
+# for a product (rows m, inputs k, columns n)
+NARROW_KERNELS = {"f16": lambda m, k, n: n <= 64 and k % 16 == 0 and lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c(),
+                  "bf16": lambda m, k, n: bf16_matmul_kernel((k, m), n_columns=n) != "ggml"}
 
 
 @pytest.mark.parametrize("wtype", ["f16", "bf16"])
@@ -60,9 +61,10 @@ NARROW_KERNELS = {"f16": (16, lambda: lib.ggml_cpu_has_avx512() and lib.ggml_cpu
                                      (205, 1024, 16), (100, 1024, 64), (261, 512, 9), (37, 2048, 16)])
 def test_mul_mat_half_weights_few_columns(rng, wtype, m, k, n):
     """f16 / bf16 weights x up to 64 f32 columns on the narrow AVX-512 kernels. The f16 one keeps the
-    columns f32, so against the stored f16 weights only f32 rounding remains; the bf16 one rounds
-    them to bf16 as ggml does (nearest even) and sums exact bf16 products, so against both operands
-    rounded only f32 rounding remains. Wider products (n > 64) or rows that are not whole vectors
+    columns f32, so against the stored f16 weights only f32 rounding remains, and so does the bf16 one
+    on FMAs (0041, the rule of tests/ggml/test_bf16_products.py); vdpbf16ps (0019) rounds them to
+    bf16 as ggml does (nearest even) and sums exact bf16 products, so against both operands rounded
+    only f32 rounding remains. Wider products (n > 64) or rows that are not whole vectors
     take ggml's path (f16: x rounded to f16; bf16: as the kernel). bf16 weights of whole 16-row
     blocks run on AMX-BF16 tiles where the CPU has them (0029): the same arithmetic, sums in
     another order. Every output of a narrow kernel is one thread's: the thread count must not
@@ -70,10 +72,11 @@ def test_mul_mat_half_weights_few_columns(rng, wtype, m, k, n):
     w = rng.standard_normal((m, k)).astype(np.float32)
     x = rng.standard_normal((n, k)).astype(np.float32)
     w_stored = w.astype(np.float16).astype(np.float64) if wtype == "f16" else _as_bf16(w)
-    x_used = x.astype(np.float64) if wtype == "f16" else _as_bf16(x)
+    # bf16 on f32 FMAs (0041) keeps the columns f32; its other kernels round them to bf16
+    keeps_f32 = wtype == "f16" or bf16_matmul_kernel((k, m), n_columns=n) == "avx512_fma"
+    x_used = x.astype(np.float64) if keeps_f32 else _as_bf16(x)
     want = x_used @ w_stored.T
-    vector, runs_here = NARROW_KERNELS[wtype]
-    narrow = n <= 64 and k % vector == 0 and bool(runs_here())
+    narrow = bool(NARROW_KERNELS[wtype](m, k, n))
     tol = 2e-6 if narrow or wtype == "bf16" else 2e-3
     results = []
     for n_threads in (1, 2, 3):
