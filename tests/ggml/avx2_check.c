@@ -4,10 +4,10 @@
 //   avx2_check IN OUT    IN: the float32 inputs below, back to back; OUT: the outputs, back to back
 //
 // Inputs (numpy order, float32): x [16][256], w_norm [256], wf [96][256] (stored as f16), wq [64][256]
-// (stored as q8_0), q [4][70][64] (heads, rows, dim), k [2][267][64], v [2][267][64] (stored as f16),
+// (stored as q8_0), wb [96][256] (stored as bf16), q [4][70][64] (heads, rows, dim), k [2][267][64], v [2][267][64] (stored as f16),
 // mask [2][70][267] (stored as f16; head h reads plane h % 2).
 // Outputs (float32): norm_fused [16][256], norm_unfused [16][256], yf [16][96], yq [16][64],
-// attn [70][4][64].
+// yb [16][96], attn [70][4][64].
 #include "ggml.h"
 #include "ggml-cpu.h"
 
@@ -29,6 +29,8 @@ static void fill(struct ggml_tensor * t, const float * src) {
         memcpy(t->data, src, n * sizeof(float));
     } else if (t->type == GGML_TYPE_F16) {
         ggml_fp32_to_fp16_row(src, (ggml_fp16_t *) t->data, n);
+    } else if (t->type == GGML_TYPE_BF16) {
+        ggml_fp32_to_bf16_row(src, (ggml_bf16_t *) t->data, n);
     } else {
         ggml_quantize_chunk(t->type, src, t->data, 0, ggml_nrows(t), t->ne[0], NULL);
     }
@@ -39,7 +41,7 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "usage: %s IN OUT\n", argv[0]);
         return 2;
     }
-    const size_t n_in = T*D + D + MF*D + MQ*D + NH*NQ*HD + 2*NKV_H*NKV*HD + NKV_H*NQ*NKV;
+    const size_t n_in = T*D + D + MF*D + MQ*D + MF*D + NH*NQ*HD + 2*NKV_H*NKV*HD + NKV_H*NQ*NKV;
     float * in = malloc(n_in * sizeof(float));
     FILE * f = fopen(argv[1], "rb");
     if (!in || !f || fread(in, sizeof(float), n_in, f) != n_in) {
@@ -55,6 +57,7 @@ int main(int argc, char ** argv) {
     struct ggml_tensor * wn = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, D);
     struct ggml_tensor * wf = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, D, MF);
     struct ggml_tensor * wq = ggml_new_tensor_2d(ctx, GGML_TYPE_Q8_0, D, MQ);
+    struct ggml_tensor * wb = ggml_new_tensor_2d(ctx, GGML_TYPE_BF16, D, MF);
     struct ggml_tensor * q  = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, HD, NQ, NH);
     struct ggml_tensor * k  = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, HD, NKV, NKV_H);
     struct ggml_tensor * v  = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, HD, NKV, NKV_H);
@@ -63,6 +66,7 @@ int main(int argc, char ** argv) {
     fill(wn, take(&cur, D));
     fill(wf, take(&cur, MF*D));
     fill(wq, take(&cur, MQ*D));
+    fill(wb, take(&cur, MF*D));
     fill(q, take(&cur, NH*NQ*HD));
     fill(k, take(&cur, NKV_H*NKV*HD));
     fill(v, take(&cur, NKV_H*NKV*HD));
@@ -76,9 +80,10 @@ int main(int argc, char ** argv) {
     ggml_set_output(normed);
     struct ggml_tensor * yf = ggml_mul_mat(ctx, wf, x);
     struct ggml_tensor * yq = ggml_mul_mat(ctx, wq, x);
+    struct ggml_tensor * yb = ggml_mul_mat(ctx, wb, x);
     struct ggml_tensor * at = ggml_flash_attn_ext(ctx, q, k, v, m, 0.125f, 0.0f, 0.0f);
     ggml_flash_attn_ext_set_prec(at, GGML_PREC_F32);
-    struct ggml_tensor * outs[] = { fused, unfused, yf, yq, at };
+    struct ggml_tensor * outs[] = { fused, unfused, yf, yq, yb, at };
     struct ggml_cgraph * gf = ggml_new_graph(ctx);
     for (size_t i = 0; i < sizeof(outs) / sizeof(outs[0]); i++) {
         ggml_set_output(outs[i]);

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
 from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.ggml import dequantize, quantize
 from pyggml_dkv.reference import attention
@@ -28,6 +29,10 @@ CMAKE_ARGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_N
               "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
               "-DGGML_OPENMP=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF"]
 T, D, MF, MQ, HD, NQ, NH, NKV_H, NKV = 16, 256, 96, 64, 64, 70, 4, 2, 267
+
+
+def as_bf16(a: np.ndarray) -> np.ndarray:
+    return from_bf16_bits(to_bf16_bits(a)).astype(np.float64)
 
 
 def _cpu_has_avx2() -> bool:
@@ -73,14 +78,15 @@ def avx2_check() -> Path:
 
 
 def test_avx2_only_build_runs_the_drafter_ops(avx2_check: Path, tmp_path: Path) -> None:
-    """RMSNorm x weights fused and unfused (bit for bit equal), an f16 and a q8_0 product over 16
-    columns, and flash attention with a mask plane per head group over 267 f16 keys (a masked
+    """RMSNorm x weights fused and unfused (bit for bit equal), an f16, a q8_0 and a bf16 product over
+    16 columns (bf16: ggml's own path, the AVX-512 kernels of 0019 / 0029 / 0041 compiled out), and flash attention with a mask plane per head group over 267 f16 keys (a masked
     whole tile, a row seeing one key), 2 threads, against float64 math."""
     rng = np.random.default_rng(7)
     x = rng.standard_normal((T, D)).astype(np.float32)
     wn = rng.standard_normal(D).astype(np.float32)
     wf = (rng.standard_normal((MF, D)) * 0.1).astype(np.float32)
     wq = (rng.standard_normal((MQ, D)) * 0.1).astype(np.float32)
+    wb = (rng.standard_normal((MF, D)) * 0.1).astype(np.float32)
     q = rng.standard_normal((NH, NQ, HD)).astype(np.float32)
     k = rng.standard_normal((NKV_H, NKV, HD)).astype(np.float16).astype(np.float32)
     v = rng.standard_normal((NKV_H, NKV, HD)).astype(np.float16).astype(np.float32)
@@ -91,13 +97,13 @@ def test_avx2_only_build_runs_the_drafter_ops(avx2_check: Path, tmp_path: Path) 
     visible[1, 5, NKV - 1] = True
     mask = np.where(visible, 0, -np.inf).astype(np.float32)
     src, dst = tmp_path / "in.bin", tmp_path / "out.bin"
-    np.concatenate([a.ravel() for a in (x, wn, wf, wq, q, k, v, mask)]).astype(np.float32).tofile(src)
+    np.concatenate([a.ravel() for a in (x, wn, wf, wq, wb, q, k, v, mask)]).astype(np.float32).tofile(src)
     done = subprocess.run([str(avx2_check), str(src), str(dst)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = np.fromfile(dst, dtype=np.float32)
-    sizes = [T * D, T * D, T * MF, T * MQ, NQ * NH * HD]
+    sizes = [T * D, T * D, T * MF, T * MQ, T * MF, NQ * NH * HD]
     assert out.size == sum(sizes)
-    fused, unfused, yf, yq, att = np.split(out, np.cumsum(sizes)[:-1])
+    fused, unfused, yf, yq, yb, att = np.split(out, np.cumsum(sizes)[:-1])
 
     np.testing.assert_array_equal(fused.view(np.uint32), unfused.view(np.uint32))
     x64 = x.astype(np.float64)
@@ -109,6 +115,9 @@ def test_avx2_only_build_runs_the_drafter_ops(avx2_check: Path, tmp_path: Path) 
     assert relative_error(yf.reshape(T, MF), want_f) < 2e-3
     want_q = x64 @ dequantize("q8_0", quantize("q8_0", wq), wq.size).reshape(wq.shape).astype(np.float64).T  # as stored
     assert relative_error(yq.reshape(T, MQ), want_q) < 2e-2
+    # ggml's bf16 product rounds the columns to bf16 (its vec_dot_type) and sums exact products in f32
+    want_b = as_bf16(x) @ as_bf16(wb).T
+    assert relative_error(yb.reshape(T, MF), want_b) < 2e-6, relative_error(yb.reshape(T, MF), want_b)
 
     att = att.reshape(NQ, NH, HD)
     want_att = np.stack([attention(q[h][:, None].astype(np.float64), k[h // 2][:, None].astype(np.float64),
