@@ -47,10 +47,11 @@ def run_products(tmp_path, **env: str) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("choice", ["", "fma", "dpbf16"])
-def test_each_kernel_is_its_arithmetic(tmp_path, choice):
+def test_each_kernel_is_its_arithmetic(tmp_path, monkeypatch, choice):
     """Without AMX (PYGGML_DKV_NO_AMX=1), under the CPU's rule and each forced choice: every product is
     within f32 rounding of its kernel's arithmetic in float64, and more than that away from the other
     kernel's (so the kernel Python names is the one that ran); 1-3 threads give the same bits."""
+    monkeypatch.setenv("PYGGML_DKV_BF16_PRODUCTS", choice)  # this process's rule as the child's
     results, kernels = run_products(tmp_path, PYGGML_DKV_NO_AMX="1", PYGGML_DKV_BF16_PRODUCTS=choice)
     for m, k, n in SHAPES:
         name = f"{m}x{k}x{n}"
