@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from pyggml_dkv import DraftConfig
-from pyggml_dkv.ggml import bf16_attention_kernel, bf16_matmul_kernel, built_with_patches, cpu_features
+from pyggml_dkv.ggml import bf16_attention_kernel, bf16_matmul_kernel, built_with_patches, cpu_features, half_matmul_avx2
 
 
 
@@ -133,12 +133,15 @@ def kernels_used(kind: str, repack_kinds: tuple[str, ...] | str | None, attentio
     if kind == "f16":
         if feats["avx512"] and "0004-cpu-mul-mat-f16-narrow.patch" in patches:
             mm = ("f16 weights x f32 rows, AVX-512 FMA (patch 0004)", "vfmadd231ps")
+        elif half_matmul_avx2():
+            mm = ("f16 weights x f32 rows, AVX2 FMA (patch 0042)", None)
         else:
             mm = ("ggml f16 (llamafile tinyBLAS)", None)
     elif kind == "bf16":
         mm = {"amx": ("bf16 weights x bf16-rounded rows on AMX-BF16 tiles (patch 0029)", None),
               "avx512_bf16": ("bf16 weights x bf16-rounded rows, AVX512-BF16 vdpbf16ps (patch 0019)", "vdpbf16ps"),
               "avx512_fma": ("bf16 weights x f32 rows, AVX-512 FMA (patch 0041)", "vfmadd231ps"),
+              "avx2_fma": ("bf16 weights x f32 rows, AVX2 FMA (patch 0042)", None),
               }.get(bf16_matmul_kernel(ne), ("ggml bf16 (llamafile tinyBLAS / vec_dot)", None))
     elif kinds == ("AMX", "CPU_REPACK"):  # backend_weights.VNNI_OVER_AMX_NARROW
         mm = ("q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (patch 0010); the bulk appends' copies of fc / k_proj / "

@@ -197,6 +197,9 @@ def bf16_attention_kernel() -> str:
 BF16_MATMUL_PATCH = "0019-cpu-mul-mat-bf16-narrow.patch"
 BF16_MATMUL_AMX_PATCH = "0029-cpu-mul-mat-bf16-amx-narrow.patch"
 BF16_MATMUL_FMA_PATCH = "0041-cpu-mul-mat-bf16-narrow-fma.patch"
+# f16 and bf16 weights times a few f32 columns on CPUs with AVX2 but no AVX-512 (0042: 0004's and
+# 0041's arithmetic in 8-wide registers)
+HALF_MATMUL_AVX2_PATCH = "0042-cpu-mul-mat-f16-bf16-narrow-avx2.patch"
 BF16_PRODUCTS_ENV = "PYGGML_DKV_BF16_PRODUCTS"
 BF16_PRODUCTS_CHOICES = ("fma", "dpbf16")
 
@@ -227,16 +230,27 @@ def bf16_products_on_fma() -> bool:
     return "AuthenticAMD" not in cpu_flags()
 
 
+def half_matmul_avx2() -> bool:
+    """True where ggml was built for AVX2 / FMA / F16C without AVX-512 and carries patch 0042: f16
+    and bf16 weights times up to 64 f32 columns then run its 8-wide narrow kernel."""
+    return (HALF_MATMUL_AVX2_PATCH in built_with_patches() and not lib.ggml_cpu_has_avx512()
+            and bool(lib.ggml_cpu_has_avx2() and lib.ggml_cpu_has_fma() and lib.ggml_cpu_has_f16c()))
+
+
 def bf16_matmul_kernel(ne: tuple[int, ...] = (1024, 1024), n_columns: int = 16) -> str:
     """What a product of bf16 weights of shape `ne` (ggml order: inputs, outputs) with `n_columns`
     f32 columns runs on here: "amx" (AMX-BF16 tiles: whole 32-input blocks and 16-row groups, up to
     64 columns), "avx512_bf16" (vdpbf16ps: whole 32-input blocks, up to 64 columns), "avx512_fma"
-    (f32 FMAs: whole 32-input blocks, up to 64 columns) or "ggml" (ggml's own bf16 path: llamafile /
+    (f32 FMAs: whole 32-input blocks, up to 64 columns), "avx2_fma" (8-wide f32 FMAs on CPUs without
+    AVX-512: whole 16-input blocks, up to 64 columns) or "ggml" (ggml's own bf16 path: llamafile /
     its dot products)."""
     ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
     patches = built_with_patches()
-    narrow = ne4[0] % 32 == 0 and ne4[2:] == (1, 1) and n_columns <= 64
-    if not narrow:
+    if ne4[2:] != (1, 1) or n_columns > 64:
+        return "ggml"
+    if half_matmul_avx2():
+        return "avx2_fma" if ne4[0] % 16 == 0 else "ggml"
+    if ne4[0] % 32 != 0:
         return "ggml"
     dpbf16 = BF16_MATMUL_PATCH in patches and bool(lib.ggml_cpu_has_avx512_bf16())
     if dpbf16 and amx_bf16_usable() and BF16_MATMUL_AMX_PATCH in patches and ne4[1] % 16 == 0:

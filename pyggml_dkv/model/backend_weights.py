@@ -32,8 +32,9 @@ def default_weight_dtype(backend: Backend) -> str:
     AVX512-VNNI kernel, vendor/patches/0010, on Xeons with AMX: amx_eligible; that kernel alone on
     AMD Zen 4/5 and Intel CPUs with VNNI but no AMX): half the bytes of f16 and int8 products
     (faster steps than f16 on both, see benchmarks/README.md). f16 everywhere else: GPUs, and x86
-    CPUs with only AVX2, where ggml's generic q8_0 path was barely faster than f16 for drafts far
-    further from f32 weights.
+    CPUs with only AVX2, where ggml's generic q8_0 path was barely faster than ggml's f16 one for
+    drafts far further from f32 weights, and where f16 products now run an 8-wide kernel that keeps
+    the activations f32 (vendor/patches/0042, ~2x ggml's f16 path).
     """
     if backend.is_cpu and (amx_available() or vnni_available()):
         return "q8_0"

@@ -7,7 +7,9 @@
 // (stored as q8_0), wb [96][256] (stored as bf16), q [4][70][64] (heads, rows, dim), k [2][267][64], v [2][267][64] (stored as f16),
 // mask [2][70][267] (stored as f16; head h reads plane h % 2).
 // Outputs (float32): norm_fused [16][256], norm_unfused [16][256], yf [16][96], yq [16][64],
-// yb [16][96], attn [70][4][64].
+// yb [16][96], yf_tail [9][37], yb_tail [9][37] (the first 37 rows of wf / wb times the first 9
+// columns of x: a last block of one row and a last tile of three columns), attn [70][4][64].
+// The graph runs on 1, 2 and 3 threads; every output must be the same bits each time (exit 3).
 #include "ggml.h"
 #include "ggml-cpu.h"
 
@@ -81,31 +83,52 @@ int main(int argc, char ** argv) {
     struct ggml_tensor * yf = ggml_mul_mat(ctx, wf, x);
     struct ggml_tensor * yq = ggml_mul_mat(ctx, wq, x);
     struct ggml_tensor * yb = ggml_mul_mat(ctx, wb, x);
+    struct ggml_tensor * x9 = ggml_view_2d(ctx, x, D, 9, x->nb[1], 0);
+    struct ggml_tensor * yf_tail = ggml_mul_mat(ctx, ggml_view_2d(ctx, wf, D, 37, wf->nb[1], 0), x9);
+    struct ggml_tensor * yb_tail = ggml_mul_mat(ctx, ggml_view_2d(ctx, wb, D, 37, wb->nb[1], 0), x9);
     struct ggml_tensor * at = ggml_flash_attn_ext(ctx, q, k, v, m, 0.125f, 0.0f, 0.0f);
     ggml_flash_attn_ext_set_prec(at, GGML_PREC_F32);
-    struct ggml_tensor * outs[] = { fused, unfused, yf, yq, yb, at };
+    struct ggml_tensor * outs[] = { fused, unfused, yf, yq, yb, yf_tail, yb_tail, at };
+    enum { N_OUTS = sizeof(outs) / sizeof(outs[0]) };
     struct ggml_cgraph * gf = ggml_new_graph(ctx);
     for (size_t i = 0; i < sizeof(outs) / sizeof(outs[0]); i++) {
         ggml_set_output(outs[i]);
         ggml_build_forward_expand(gf, outs[i]);
     }
     ggml_build_forward_expand(gf, normed);
-    if (ggml_graph_compute_with_ctx(ctx, gf, 2) != GGML_STATUS_SUCCESS) {
-        fprintf(stderr, "compute failed\n");
-        return 1;
+    // 1 and 3 threads first, keeping their outputs; the 2-thread run's are written out
+    void * first[N_OUTS];
+    for (int n_threads = 1; n_threads <= 3; n_threads++) {
+        const int nt = n_threads == 1 ? 1 : n_threads == 2 ? 3 : 2;
+        if (ggml_graph_compute_with_ctx(ctx, gf, nt) != GGML_STATUS_SUCCESS) {
+            fprintf(stderr, "compute failed\n");
+            return 1;
+        }
+        for (size_t i = 0; i < N_OUTS; i++) {
+            if (n_threads == 1) {
+                first[i] = malloc(ggml_nbytes(outs[i]));
+                memcpy(first[i], outs[i]->data, ggml_nbytes(outs[i]));
+            } else if (outs[i] != at && memcmp(first[i], outs[i]->data, ggml_nbytes(outs[i])) != 0) {
+                fprintf(stderr, "output %zu differs between 1 and %d threads\n", i, nt);
+                return 3;
+            }
+        }
     }
     FILE * o = fopen(argv[2], "wb");
     if (!o) {
         fprintf(stderr, "cannot write %s\n", argv[2]);
         return 2;
     }
-    for (size_t i = 0; i < sizeof(outs) / sizeof(outs[0]); i++) {
+    for (size_t i = 0; i < N_OUTS; i++) {
         if (fwrite(outs[i]->data, 1, ggml_nbytes(outs[i]), o) != ggml_nbytes(outs[i])) {
             fprintf(stderr, "short write to %s\n", argv[2]);
             return 2;
         }
     }
     fclose(o);
+    for (size_t i = 0; i < N_OUTS; i++) {
+        free(first[i]);
+    }
     ggml_free(ctx);
     free(in);
     return 0;

@@ -79,7 +79,8 @@ def avx2_check() -> Path:
 
 def test_avx2_only_build_runs_the_drafter_ops(avx2_check: Path, tmp_path: Path) -> None:
     """RMSNorm x weights fused and unfused (bit for bit equal), an f16, a q8_0 and a bf16 product over
-    16 columns (bf16: ggml's own path, the AVX-512 kernels of 0019 / 0029 / 0041 compiled out), and flash attention with a mask plane per head group over 267 f16 keys (a masked
+    16 columns and the f16 / bf16 ones over 37 rows x 9 columns (f16 and bf16 on the AVX2 narrow
+    kernel, vendor/patches/0042: the columns stay f32), and flash attention with a mask plane per head group over 267 f16 keys (a masked
     whole tile, a row seeing one key), 2 threads, against float64 math."""
     rng = np.random.default_rng(7)
     x = rng.standard_normal((T, D)).astype(np.float32)
@@ -101,23 +102,25 @@ def test_avx2_only_build_runs_the_drafter_ops(avx2_check: Path, tmp_path: Path) 
     done = subprocess.run([str(avx2_check), str(src), str(dst)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = np.fromfile(dst, dtype=np.float32)
-    sizes = [T * D, T * D, T * MF, T * MQ, T * MF, NQ * NH * HD]
+    sizes = [T * D, T * D, T * MF, T * MQ, T * MF, 9 * 37, 9 * 37, NQ * NH * HD]
     assert out.size == sum(sizes)
-    fused, unfused, yf, yq, yb, att = np.split(out, np.cumsum(sizes)[:-1])
+    fused, unfused, yf, yq, yb, yf_tail, yb_tail, att = np.split(out, np.cumsum(sizes)[:-1])
 
     np.testing.assert_array_equal(fused.view(np.uint32), unfused.view(np.uint32))
     x64 = x.astype(np.float64)
     want_norm = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * wn
     assert relative_error(fused.reshape(T, D), want_norm) < 1e-6
 
-    # ggml's AVX2 f16 product rounds the columns to f16; the q8_0 one quantizes them to q8_0
+    # f16 and bf16 weights x f32 columns (0042: only f32 rounding of the sums remains); q8_0 quantizes
+    # the columns to q8_0
     want_f = x64 @ wf.astype(np.float16).astype(np.float64).T
-    assert relative_error(yf.reshape(T, MF), want_f) < 2e-3
+    assert relative_error(yf.reshape(T, MF), want_f) < 2e-6, relative_error(yf.reshape(T, MF), want_f)
+    assert relative_error(yf_tail.reshape(9, 37), want_f[:9, :37]) < 2e-6
     want_q = x64 @ dequantize("q8_0", quantize("q8_0", wq), wq.size).reshape(wq.shape).astype(np.float64).T  # as stored
     assert relative_error(yq.reshape(T, MQ), want_q) < 2e-2
-    # ggml's bf16 product rounds the columns to bf16 (its vec_dot_type) and sums exact products in f32
-    want_b = as_bf16(x) @ as_bf16(wb).T
+    want_b = x64 @ as_bf16(wb).T
     assert relative_error(yb.reshape(T, MF), want_b) < 2e-6, relative_error(yb.reshape(T, MF), want_b)
+    assert relative_error(yb_tail.reshape(9, 37), want_b[:9, :37]) < 2e-6
 
     att = att.reshape(NQ, NH, HD)
     want_att = np.stack([attention(q[h][:, None].astype(np.float64), k[h // 2][:, None].astype(np.float64),

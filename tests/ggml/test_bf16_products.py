@@ -33,7 +33,7 @@ def as_bf16(a: np.ndarray) -> np.ndarray:
 def expected(kernel: str, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """float64 of the operands the kernel multiplies: the stored bf16 weights, and the columns as f32
     (FMAs) or rounded to bf16 (vdpbf16ps, AMX tiles, ggml's own path)."""
-    cols = x.astype(np.float64) if kernel == "avx512_fma" else as_bf16(x)
+    cols = x.astype(np.float64) if kernel in ("avx512_fma", "avx2_fma") else as_bf16(x)
     return cols @ as_bf16(w).T
 
 
@@ -56,7 +56,7 @@ def test_each_kernel_is_its_arithmetic(tmp_path, monkeypatch, choice):
     for m, k, n in SHAPES:
         name = f"{m}x{k}x{n}"
         kernel = kernels[name]
-        assert kernel in ("avx512_fma", "avx512_bf16", "ggml"), kernel
+        assert kernel in ("avx512_fma", "avx512_bf16", "avx2_fma", "ggml"), kernel
         if FMA_PATCH in built_with_patches() and cpu_features()["avx512"]:
             want_kernel = "avx512_bf16" if choice == "dpbf16" and cpu_features()["avx512_bf16"] else "avx512_fma"
             if choice == "":
@@ -66,7 +66,7 @@ def test_each_kernel_is_its_arithmetic(tmp_path, monkeypatch, choice):
         got = results[f"{name}/1"]
         assert got.shape == (n, m)
         err = relative_error(got, expected(kernel, w, x))
-        other = "avx512_bf16" if kernel == "avx512_fma" else "avx512_fma"
+        other = "avx512_bf16" if kernel in ("avx512_fma", "avx2_fma") else "avx512_fma"
         assert err < 2e-6, (name, kernel, err)
         assert relative_error(got, expected(other, w, x)) > 1e-4, (name, kernel)
         if kernel != "ggml":  # every output one thread's
@@ -102,3 +102,19 @@ def test_a_misspelt_switch_is_refused(monkeypatch, value):
         bf16_products_on_fma()
     with pytest.raises(ValueError, match="PYGGML_DKV_BF16_PRODUCTS"):
         Backend("cpu")
+
+
+def test_the_avx2_rule(monkeypatch):
+    """Where ggml was built for AVX2 without AVX-512 (patch 0042's kernel; the AVX2-only build test
+    runs its arithmetic), a bf16 product of whole 16-input blocks and up to 64 columns takes it, the
+    rest ggml's own path. Here the build answer is simulated: it is the CPU's."""
+    monkeypatch.setattr(capabilities, "half_matmul_avx2", lambda: True)
+    assert bf16_matmul_kernel((1024, 1000)) == "avx2_fma"
+    assert bf16_matmul_kernel((48, 7), n_columns=64) == "avx2_fma"
+    assert bf16_matmul_kernel((40, 7)) == "ggml"
+    assert bf16_matmul_kernel((1024, 1024), n_columns=65) == "ggml"
+    assert bf16_matmul_kernel((1024, 1024, 2)) == "ggml"
+    if not cpu_features()["avx512"]:
+        return
+    monkeypatch.undo()
+    assert capabilities.half_matmul_avx2() is False  # an AVX-512 build keeps 0004 / 0019 / 0029 / 0041

@@ -15,6 +15,7 @@ from pyggml_dkv.ggml import (
     Backend,
     Context,
     bf16_matmul_kernel,
+    half_matmul_avx2,
 )
 from pyggml_dkv.common.bf16 import from_bf16_bits as bf16_bits_to_fp32, to_bf16_bits as fp32_to_bf16_bits
 from pyggml_dkv.common.numeric import relative_error
@@ -45,7 +46,8 @@ def _as_bf16(a: np.ndarray) -> np.ndarray:
 
 # the narrow kernels (f16: vendor/patches/0004; bf16: 0019, 0029, 0041): whether this CPU runs them
 # for a product (rows m, inputs k, columns n)
-NARROW_KERNELS = {"f16": lambda m, k, n: n <= 64 and k % 16 == 0 and lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c(),
+NARROW_KERNELS = {"f16": lambda m, k, n: n <= 64 and ((k % 16 == 0 and lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c())
+                                                    or (k % 8 == 0 and half_matmul_avx2())),
                   "bf16": lambda m, k, n: bf16_matmul_kernel((k, m), n_columns=n) != "ggml"}
 
 
@@ -60,7 +62,8 @@ NARROW_KERNELS = {"f16": lambda m, k, n: n <= 64 and k % 16 == 0 and lib.ggml_cp
                                      # a last block of one row; wider K ungrouped
                                      (205, 1024, 16), (100, 1024, 64), (261, 512, 9), (37, 2048, 16)])
 def test_mul_mat_half_weights_few_columns(rng, wtype, m, k, n):
-    """f16 / bf16 weights x up to 64 f32 columns on the narrow AVX-512 kernels. The f16 one keeps the
+    """f16 / bf16 weights x up to 64 f32 columns on the narrow AVX-512 kernels (on CPUs with AVX2 and
+    no AVX-512: 0042's, the f16 and FMA ones' arithmetic, checked alike). The f16 one keeps the
     columns f32, so against the stored f16 weights only f32 rounding remains, and so does the bf16 one
     on FMAs (0041, the rule of tests/ggml/test_bf16_products.py); vdpbf16ps (0019) rounds them to
     bf16 as ggml does (nearest even) and sums exact bf16 products, so against both operands rounded
@@ -73,7 +76,7 @@ def test_mul_mat_half_weights_few_columns(rng, wtype, m, k, n):
     x = rng.standard_normal((n, k)).astype(np.float32)
     w_stored = w.astype(np.float16).astype(np.float64) if wtype == "f16" else _as_bf16(w)
     # bf16 on f32 FMAs (0041) keeps the columns f32; its other kernels round them to bf16
-    keeps_f32 = wtype == "f16" or bf16_matmul_kernel((k, m), n_columns=n) == "avx512_fma"
+    keeps_f32 = wtype == "f16" or bf16_matmul_kernel((k, m), n_columns=n) in ("avx512_fma", "avx2_fma")
     x_used = x.astype(np.float64) if keeps_f32 else _as_bf16(x)
     want = x_used @ w_stored.T
     narrow = bool(NARROW_KERNELS[wtype](m, k, n))
