@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
 from pyggml_dkv.ggml._lowlevel import lib
 from pyggml_dkv.ggml import (
     Backend,
@@ -18,6 +19,11 @@ from pyggml_dkv.ggml import (
 
 NEOX = int(lib.GGML_ROPE_TYPE_NEOX)
 RNG_SEED = 1234
+
+
+def as_bf16(a: np.ndarray) -> np.ndarray:
+    """float64 of `a` rounded to bf16 (nearest even), as ggml stores bf16 weights."""
+    return from_bf16_bits(to_bf16_bits(a)).astype(np.float64)
 
 
 def compute(backend: Backend, specs: list[tuple[str, np.ndarray]], build, graph_size: int = 128):

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
 from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.ggml import dequantize, quantize
 from pyggml_dkv.reference import attention
+from tests.ggml.helpers import as_bf16
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "vendor" / "ggml"
@@ -29,10 +29,6 @@ CMAKE_ARGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_N
               "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
               "-DGGML_OPENMP=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF"]
 T, D, MF, MQ, HD, NQ, NH, NKV_H, NKV = 16, 256, 96, 64, 64, 70, 4, 2, 267
-
-
-def as_bf16(a: np.ndarray) -> np.ndarray:
-    return from_bf16_bits(to_bf16_bits(a)).astype(np.float64)
 
 
 def _cpu_has_avx2() -> bool:

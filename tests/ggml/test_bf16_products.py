@@ -16,18 +16,14 @@ import os
 import numpy as np
 import pytest
 
-from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
 from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.ggml import Backend, bf16_matmul_kernel, bf16_products_on_fma, built_with_patches, cpu_features
 from pyggml_dkv.ggml import capabilities
 from tests.child import run_in_child
 from tests.ggml.bf16_child import SHAPES, operands
+from tests.ggml.helpers import as_bf16
 
 FMA_PATCH = capabilities.BF16_MATMUL_FMA_PATCH
-
-
-def as_bf16(a: np.ndarray) -> np.ndarray:
-    return from_bf16_bits(to_bf16_bits(a)).astype(np.float64)
 
 
 def expected(kernel: str, w: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from pyggml_dkv.common.bf16 import from_bf16_bits as bf16_bits_to_fp32, to_bf16_
 from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.reference import attention, rope_neox
 
-from tests.ggml.helpers import NEOX, compute
+from tests.ggml.helpers import NEOX, as_bf16, compute
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,10 +38,6 @@ def test_mul_mat_against_numpy(be, rng, wtype, tol):
     if wtype == "f16":  # against the weights as stored: only the f16 rounding of x remains
         w16 = w.astype(np.float16).astype(np.float64)
         assert relative_error(got, x.astype(np.float64) @ w16.T) < 1e-3
-
-
-def _as_bf16(a: np.ndarray) -> np.ndarray:
-    return bf16_bits_to_fp32(fp32_to_bf16_bits(a)).astype(np.float64)
 
 
 # the narrow kernels (f16: vendor/patches/0004; bf16: 0019, 0029, 0041): whether this CPU runs them
@@ -74,10 +70,10 @@ def test_mul_mat_half_weights_few_columns(rng, wtype, m, k, n):
     change a bit."""
     w = rng.standard_normal((m, k)).astype(np.float32)
     x = rng.standard_normal((n, k)).astype(np.float32)
-    w_stored = w.astype(np.float16).astype(np.float64) if wtype == "f16" else _as_bf16(w)
+    w_stored = w.astype(np.float16).astype(np.float64) if wtype == "f16" else as_bf16(w)
     # bf16 on f32 FMAs (0041) keeps the columns f32; its other kernels round them to bf16
     keeps_f32 = wtype == "f16" or bf16_matmul_kernel((k, m), n_columns=n) in ("avx512_fma", "avx2_fma")
-    x_used = x.astype(np.float64) if keeps_f32 else _as_bf16(x)
+    x_used = x.astype(np.float64) if keeps_f32 else as_bf16(x)
     want = x_used @ w_stored.T
     narrow = bool(NARROW_KERNELS[wtype](m, k, n))
     tol = 2e-6 if narrow or wtype == "bf16" else 2e-3
