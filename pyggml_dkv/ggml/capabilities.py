@@ -109,7 +109,7 @@ def amx_fits(type_name: str, ne: tuple[int, ...]) -> bool:
     """Can ggml's AMX buffer hold this tensor for its kernels? It sizes and packs every tensor as one
     2-D matrix of whole 32 x 32 blocks (32-value input blocks, 32-column output blocks)."""
     ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
-    return type_name in AMX_TYPES and ne4[0] % 32 == 0 and ne4[1] % 32 == 0 and ne4[2:] == (1, 1)
+    return type_name.lower() in AMX_TYPES and ne4[0] % 32 == 0 and ne4[1] % 32 == 0 and ne4[2:] == (1, 1)
 
 
 @functools.cache
@@ -294,7 +294,7 @@ def ggml_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
     this CPU: a 2-D matrix of a listed type, whole 8-row groups, the CPU feature present? Any tensor
     placed there without a layout would crash ggml on upload."""
     ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
-    feature = GGML_REPACK_TYPES.get(type_name)
+    feature = GGML_REPACK_TYPES.get(type_name.lower())
     return (feature is not None and ne4[1] % 8 == 0 and ne4[2:] == (1, 1)
             and bool(getattr(lib, f"ggml_cpu_has_{feature}")()) and "CPU_REPACK" in cpu_extra_buffer_types())
 
@@ -314,6 +314,7 @@ VNNI_LAYOUTS = {"q8_0": (VNNI_PATCH, 32), "q4_0": (Q4_0_VNNI_PATCH, 32), "q6_k":
 def vnni_fits(type_name: str, ne: tuple[int, ...]) -> bool:
     """Has this tensor the shape our VNNI layouts take (VNNI_LAYOUTS: a listed type, 2-D, whole
     blocks, 16-row groups), whatever this CPU and build offer?"""
+    type_name = type_name.lower()
     if type_name not in VNNI_LAYOUTS:
         return False
     ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
@@ -323,13 +324,15 @@ def vnni_fits(type_name: str, ne: tuple[int, ...]) -> bool:
 def vnni_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
     """Can the CPU_REPACK buffer hold this tensor for one of our VNNI kernels here: vnni_fits, the
     type's patch built, AVX512-VNNI?"""
-    return vnni_fits(type_name, ne) and vnni_available() and VNNI_LAYOUTS[type_name][0] in built_with_patches()
+    return vnni_fits(type_name, ne) and vnni_available() and VNNI_LAYOUTS[type_name.lower()][0] in built_with_patches()
 
 
 def cpu_repack_kernel(type_name: str, ne: tuple[int, ...]) -> str | None:
     """The kernel the CPU_REPACK buffer would lay this tensor out for here, in words, or None when
     it cannot hold it: one of our VNNI kernels (VNNI_LAYOUTS), else ggml's own interleaved ones for
-    q4_0 / q4_K. The order is ggml's own (src/ggml-cpu/repack.cpp, ggml_repack_get_optimal_repack_type)."""
+    q4_0 / q4_K. The order is ggml's own (src/ggml-cpu/repack.cpp, ggml_repack_get_optimal_repack_type).
+    Type names in any case ("q4_k", "q4_K")."""
+    type_name = type_name.lower()
     if vnni_repack_fits(type_name, ne):
         return f"{type_name.replace('_k', '_K')} VNNI (patch {VNNI_LAYOUTS[type_name][0][:4]})"
     if ggml_repack_fits(type_name, ne):

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from .config import DraftConfig
-from ..ggml import (Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types, cpu_repack_fits,
-                    ggml_type, lib, vnni_available, vnni_repack_fits)
+from ..ggml import (TYPE_NAMES, Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types,
+                    cpu_repack_fits, ggml_type, lib, vnni_available, vnni_repack_fits)
 from .tensor_names import is_fold_in_matrix, is_norm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,7 +63,7 @@ def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: i
     VNNI where its layout takes the matrix)."""
     ne = (in_features, out_features)
     vnni_first = VNNI_OVER_AMX + (() if bulk else VNNI_OVER_AMX_NARROW)
-    if dtype in vnni_first and vnni_repack_fits(dtype, ne):
+    if dtype.lower() in vnni_first and vnni_repack_fits(dtype, ne):
         return False
     return backend.is_cpu and amx_fits(dtype, ne) and amx_available()
 
@@ -258,6 +258,9 @@ def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,
         raise ValueError(f"{name}: contains NaN or inf")
     if dtype == "native":
         dtype = NATIVE_FALLBACK
+    # ggml's own spelling: the repacking rules compare names ("Q8_0" / "q4_K" would silently take
+    # an ordinary buffer and ggml's generic kernels, ~10x slower)
+    dtype = TYPE_NAMES[ggml_type(dtype)]
     if dtype == "q8_0" and arr.shape[1] % 32:
         dtype = "f16"
     t, buf = matrix_in_own_buffer(backend, dtype, arr.shape, name, matmul_only)

@@ -24,7 +24,7 @@ from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.ggml import (GGML_REPACK_TYPES, Buffer, Context, cpu_extra_buffer_types, cpu_repack_fits, cpu_repack_kernel,
                              dequantize, ffi, ggml_repack_fits, lib, quantize)
 from pyggml_dkv.ggml.capabilities import vnni_repack_fits
-from pyggml_dkv.model.backend_weights import BackendWeights, repack_buffer
+from pyggml_dkv.model.backend_weights import BackendWeights, repack_buffer, upload_matrix
 from tests.ggml.helpers import mul_mat_rows, quantize_q8_0_rows
 
 def product_in(cpu, kind: str | None, ty: str, raw: np.ndarray, shape: tuple[int, int], x: np.ndarray) -> np.ndarray:  # noqa: ANN001
@@ -399,3 +399,30 @@ def test_kernel_rule_on_cpus_without_vnni_or_without_our_patches(monkeypatch):
     assert cpu_repack_kernel("q4_0", (256, 16)) == "ggml's q4_0 8x8 (AVX2)"
     assert cpu_repack_kernel("q4_k", (256, 16)) == ("q4_K VNNI (patch 0021)" if capabilities.vnni_available() else
                                                     "ggml's q4_K 8x8 (AVX2)")
+
+
+@needs_repack
+@pytest.mark.parametrize("ty", ["q8_0", "q4_0", "q4_k", "q6_k"])
+def test_type_names_in_any_case_take_the_same_buffer(cpu, ty):
+    """ggml spells its types "q4_k"; our types take any case ("q4_K", as llama.cpp writes them). The
+    repacking rules used to compare names as given, so upload_matrix(..., "q4_K", matmul_only=True)
+    put the matrix in an ordinary buffer on ggml's generic kernels (~10x slower, silently). Every
+    spelling must land where the canonical one does and multiply to the same bits."""
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((32, 256)).astype(np.float32)
+    x = rng.standard_normal((9, 256)).astype(np.float32)
+    spellings = {ty, ty.upper(), ty.replace("_k", "_K")}
+    placed = {}
+    for name in spellings:
+        assert cpu_repack_fits(name, (256, 32)) == cpu_repack_fits(ty, (256, 32))
+        assert cpu_repack_kernel(name, (256, 32)) == cpu_repack_kernel(ty, (256, 32))
+        assert repack_buffer(cpu, name, 32, 256) == repack_buffer(cpu, ty, 32, 256)
+        t, buf = upload_matrix(cpu, w, name, "w", matmul_only=True)
+        with buf:
+            assert t.type == ty
+            placed[name] = (buf.name, mul_mat_rows(cpu, t, x))
+    want_buffer, want = placed[ty]
+    assert want_buffer != "CPU"  # the canonical spelling is repacked here (needs_repack)
+    for name, (buffer, got) in placed.items():
+        assert buffer == want_buffer, (name, buffer)
+        np.testing.assert_array_equal(got, want)
