@@ -222,3 +222,25 @@ def test_host_overhead_target_is_the_paired_ratio(monkeypatch):
     step_report.analyse(result, machine)
     by_name = {t["target"]: t for t in step_report.targets(result)}
     assert abs(by_name["host overhead"]["value"] - 10.0 / 7.5) < 1e-9 and "host overhead vs raw" not in by_name
+
+
+def test_bench_products_smoke(tmp_path):
+    """bench_products.py times each type's product hot on one thread and two, and streamed; its JSON
+    carries the kernel, the per-product fixed cost and the thread speedup of each type."""
+    bench = BENCH.parent / "bench_products.py"
+    out = tmp_path / "products.json"
+    proc = subprocess.run([sys.executable, str(bench), "--types", "q8_0,F16", "--columns", "9", "--reps", "1",
+                           "--rounds", "1", "--stream-mb", "4", "--work-mweights", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [(r["type"], r["columns"]) for r in report["results"]] == [("q8_0", 9), ("f16", 9)]
+    for r in report["results"]:
+        assert r["kernel"] and r["stream_matrices"] >= 2
+        assert set(r["threads"]) == {"1", "2"} and set(r["speedup"]) == {"256", "1024", "3072"}
+        assert all(v > 0 for v in r["threads"]["2"]["hot_us"].values())
+        assert r["streamed_us"] > 0 and r["streamed_over_hot"] > 0
+        assert r["bytes_per_weight"] == (2.0 if r["type"] == "f16" else 34 / 32)
+    assert "streamed/hot" in proc.stdout
+    bad = subprocess.run([sys.executable, str(bench), "--types", "q9_9"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown weight types ['q9_9']" in bad.stderr
