@@ -35,7 +35,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_step.py
 
 import numpy as np  # noqa: E402
 
-from pyggml_dkv.ggml import Backend, Buffer, Context, Gallocr, Graph, cpu_features, cpu_repack_kernel, quantize  # noqa: E402
+from pyggml_dkv.ggml import (Backend, Buffer, Context, Gallocr, Graph, cpu_features, cpu_repack_kernel,  # noqa: E402
+                             quantize)
 from pyggml_dkv.model.backend_weights import matrix_in_own_buffer, repack_buffer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
