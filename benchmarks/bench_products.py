@@ -99,6 +99,17 @@ def upload(backend: Backend, type_name: str, raw: np.ndarray, rows: int, name: s
     return t, buf
 
 
+class Matrix:
+    """An uploaded matrix and what holds it: its buffer, then its context, closed in that order."""
+
+    def __init__(self, backend: Backend, type_name: str, raw: np.ndarray, rows: int, name: str) -> None:
+        self.tensor, self.buf = upload(backend, type_name, raw, rows, name)
+
+    def close(self) -> None:
+        self.buf.close()
+        self.tensor.ctx.close()
+
+
 def line_fit(rows: tuple[int, int], us: tuple[float, float]) -> tuple[float, float]:
     """The line us = fixed + per_row * rows through two products: (fixed us, us per 1000 rows).
     Negative fixed: none measurable (the larger product's rows cost more each, e.g. out of L2)."""
@@ -115,18 +126,18 @@ def bench_type(backends: dict[int, Backend], type_name: str, columns: int, args:
     try:
         hot = {}
         for r in ROWS:
-            t, buf = upload(backends[many], type_name, raw[r], r, f"w{r}")
-            owned.append(buf)
-            # enough products a graph that one compute takes ~1 ms or more at 1 us a 1000 weights
+            m = Matrix(backends[many], type_name, raw[r], r, f"w{r}")
+            owned.append(m)
+            # about --work-mweights million weights a graph compute: its time dwarfs the graph's own
             count = max(4, int(args.work_mweights * 1e6 / (r * K)))
-            hot[r] = Products(backends[many], [t], columns, count)
+            hot[r] = Products(backends[many], [m.tensor], columns, count)
             owned.append(hot[r])
         n_stream = max(2, int(args.stream_mb * 2**20 / raw[ROWS[-1]].nbytes))
         stream_w = []
         for i in range(n_stream):
-            t, buf = upload(backends[many], type_name, raw[ROWS[-1]], ROWS[-1], f"s{i}")
-            owned.append(buf)
-            stream_w.append(t)
+            m = Matrix(backends[many], type_name, raw[ROWS[-1]], ROWS[-1], f"s{i}")
+            owned.append(m)
+            stream_w.append(m.tensor)
         streamed = Products(backends[many], stream_w, columns, 1)
         owned.append(streamed)
         samples: dict[str, list[float]] = {}
