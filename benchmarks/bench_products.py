@@ -92,18 +92,13 @@ class Products:
             obj.close()
 
 
-def upload(backend: Backend, type_name: str, raw: np.ndarray, rows: int, name: str):  # noqa: ANN201
-    """A (rows, K) matrix of the stored bytes `raw`, placed as a step's weights are."""
-    t, buf = matrix_in_own_buffer(backend, type_name, (rows, K), name, matmul_only=True)
-    t.set_bytes(raw)
-    return t, buf
-
-
 class Matrix:
-    """An uploaded matrix and what holds it: its buffer, then its context, closed in that order."""
+    """A (rows, K) matrix of the stored bytes `raw`, placed as a step's weights are; close() closes
+    its buffer, then its context."""
 
     def __init__(self, backend: Backend, type_name: str, raw: np.ndarray, rows: int, name: str) -> None:
-        self.tensor, self.buf = upload(backend, type_name, raw, rows, name)
+        self.tensor, self.buf = matrix_in_own_buffer(backend, type_name, (rows, K), name, matmul_only=True)
+        self.tensor.set_bytes(raw)
 
     def close(self) -> None:
         self.buf.close()
