@@ -71,20 +71,24 @@ def test_vnni_product_at_every_row_count(n_threads):
 def test_vnni_product_does_not_depend_on_the_thread_count():
     """Each thread takes its 16-row weight groups two at a time (patch 0023: one broadcast activation
     word feeds both groups' vpdpbusd) and a last odd group alone; with 1, 2, 3 or 5 threads the same
-    groups fall into pairs or stay alone, and every output must be the same to the bit."""
+    groups fall into pairs or stay alone, and every output must be the same to the bit. The threads
+    also split each activation row's 32-value blocks to quantize them (patch 0025): 11 or 43 blocks over
+    1, 2, 3 or 5 threads, with a block of tiny values (its scale an f16 subnormal or 0)."""
     rng = np.random.default_rng(9)
-    n_out, k = 80, 352  # 5 groups: 1 thread pairs 0-1 and 2-3, 5 threads none
-    w = rng.standard_normal((n_out, k)).astype(np.float32)
-    for rows in (1, 5, 9, 16, 34):
-        x = rng.standard_normal((rows, k)).astype(np.float32)
-        outs = []
-        for n_threads in (1, 2, 3, 5):
-            with Backend("cpu", n_threads=n_threads) as backend:
-                wt, wbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=True)
-                outs.append(mul_mat_rows(backend, wt, x))
-                wbuf.close()
-        for got in outs[1:]:
-            np.testing.assert_array_equal(got, outs[0])
+    # 5 groups: 1 thread pairs 0-1 and 2-3, 5 threads none; 11 blocks, and 43
+    for n_out, k in ((80, 352), (80, 1376)):
+        w = rng.standard_normal((n_out, k)).astype(np.float32)
+        for rows in (1, 5, 9, 16, 34):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            x[0, 32:64] *= 1e-30  # a block of tiny values (its scale rounds to an f16 subnormal or 0)
+            outs = []
+            for n_threads in (1, 2, 3, 5):
+                with Backend("cpu", n_threads=n_threads) as backend:
+                    wt, wbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=True)
+                    outs.append(mul_mat_rows(backend, wt, x))
+                    wbuf.close()
+            for got in outs[1:]:
+                np.testing.assert_array_equal(got, outs[0])
 
 
 @needs_vnni
