@@ -9,7 +9,8 @@ vocab) included and copied to the host.
   ours_logits  DraftKvCache (cap = W, committed grows by n_new per step) on the GGUF's own
                weights (dtype "native": the file's f16 / q8_0 blocks), token_embd / output from
                the file (output repacked like the drafter's matrices: the VNNI / AMX q8_0 kernels),
-               step_tokens(ring, committed, tokens, output="logits")
+               step_tokens(ring, committed, tokens, output="logits"); this process runs under
+               OpenMP's default wait policy like llama.cpp's (--omp-wait-policy)
   ours_ids     the same with output="ids": in-graph argmax, no logits copied (information)
   ours_head_q8 (a GGUF whose output is f32 / f16 / bf16) the same with the lm_head uploaded as q8_0
                (lm_head_dtype="q8_0"; on AMX / VNNI its product takes a third of the f16 one),
@@ -27,8 +28,8 @@ The drafter is the `small` shape of bench_step.py (hidden 1024, 5 layers, 16/4 h
 5 target layers) with random weights and the SmolLM2 vocabulary (49152 tokens), written once per
 weight type as a dflash GGUF that both sides load.
 
-llama.cpp cannot share a process with pyggml_dkv (same ggml library names), so its timings come
-from a child process; `--rounds` alternations of our side and llama.cpp's share the machine's
+llama.cpp runs in a child process (pyggml_dkv.hosts.llama_cpp.native_dflash: a comparison never
+shares a process with the code it checks); `--rounds` alternations of our side and llama.cpp's share the machine's
 noise between them (ratios side by side in one run, not interleaved step by step). Reported:
 median and p10 per system, and ours / llama.cpp's best by median and by p10 (the goal: <= 0.5
 at every window and weight type).
@@ -46,11 +47,16 @@ import tempfile
 import time
 from pathlib import Path
 
-# our side: OpenMP's policy only governs the wait between graph computes (patch 0005 gives the node
-# barriers their own spin-then-sleep), and passive keeps a spinning thread from taking a busy core
-# (see bench_step.py). llama.cpp's child gets its own policy (--llama-omp-wait-policy): its ggml
-# meets at `omp barrier` after every node, where PASSIVE costs a futex sleep per node
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from machine import early_option, set_omp_wait_policy  # noqa: E402  (benchmarks/machine.py: standard library only)
+
+# Both sides run under OpenMP's default wait policy unless told otherwise: the policy of a llama.cpp
+# host process, where our drafter runs. Ours (--omp-wait-policy) only governs the wait between graph
+# computes (patch 0005 gives the node barriers their own spin-then-sleep): under PASSIVE each step
+# wakes a sleeping thread (on the model-167 Xeon VM 4-7% of a q8_0 step without a head in a plain
+# loop of steps; here, with logits, within the noise: benchmarks/README.md). llama.cpp's child gets its
+# own (--llama-omp-wait-policy): its ggml meets at `omp barrier` after every node, where PASSIVE costs
+# a futex sleep per node
+set_omp_wait_policy(early_option(sys.argv[1:], "--omp-wait-policy", os.environ.get("OMP_WAIT_POLICY", "default")))
 
 import numpy as np  # noqa: E402
 
@@ -234,6 +240,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--n-new", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--omp-wait-policy", choices=("default", "active", "passive"), default=None,
+                    help="OMP_WAIT_POLICY of our process (default: $OMP_WAIT_POLICY if set, else unset: OpenMP's "
+                         "default, as in a llama.cpp host)")
     ap.add_argument("--llama-omp-wait-policy", choices=("default", "active", "passive"), default="default",
                     help="OMP_WAIT_POLICY of llama.cpp's process (default: unset, OpenMP's default, its fastest)")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -250,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     if not llama_cpp_available():
         raise SystemExit("llama-cpp-python is not installed (pip install pyggml_dkv[llama])")
     results: dict = {"cpu": cpu_name(), "threads": args.threads, "n_new": args.n_new,
-                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
                      "llama_omp_wait_policy": args.llama_omp_wait_policy, "load_avg_start": os.getloadavg(), "runs": {}}
     per_round = max(1, args.reps // args.rounds)
     with tempfile.TemporaryDirectory() as tmp:

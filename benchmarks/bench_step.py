@@ -98,33 +98,15 @@ from pathlib import Path
 
 
 # ---------------------------------------------------------------------------- thread env (before numpy)
-def _early_threads(argv: list[str]) -> int:
-    for i, a in enumerate(argv):
-        if a == "--threads" and i + 1 < len(argv):
-            return int(argv[i + 1])
-        if a.startswith("--threads="):
-            return int(a.split("=", 1)[1])
-    return 2
+from machine import early_option, set_omp_wait_policy  # noqa: E402  (benchmarks/machine.py: standard library only)
 
-
-def _early_wait_policy(argv: list[str]) -> str:
-    for i, a in enumerate(argv):
-        if a == "--omp-wait-policy" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--omp-wait-policy="):
-            return a.split("=", 1)[1]
-    return os.environ.get("OMP_WAIT_POLICY", "passive")
-
-
-_THREADS = _early_threads(sys.argv[1:])
+_THREADS = int(early_option(sys.argv[1:], "--threads", "2"))
 for _var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"):
     os.environ[_var] = str(_THREADS)
 # OpenMP (ggml's and torch's) must read this before their runtimes start. With the default
 # (spinning) policy, on a machine where other processes compete for the cores, every ggml node
 # cost a scheduler slice: toy steps took ~380 ms instead of ~5 ms. See README.
-_WAIT_POLICY = _early_wait_policy(sys.argv[1:])
-if _WAIT_POLICY != "default":
-    os.environ["OMP_WAIT_POLICY"] = _WAIT_POLICY.upper()
+set_omp_wait_policy(early_option(sys.argv[1:], "--omp-wait-policy", os.environ.get("OMP_WAIT_POLICY", "passive")))
 
 import numpy as np  # noqa: E402
 
