@@ -29,10 +29,10 @@ The drafter is the `small` shape of bench_step.py (hidden 1024, 5 layers, 16/4 h
 weight type as a dflash GGUF that both sides load.
 
 llama.cpp runs in a child process (pyggml_dkv.hosts.llama_cpp.native_dflash: a comparison never
-shares a process with the code it checks); `--rounds` alternations of our side and llama.cpp's share the machine's
-noise between them (ratios side by side in one run, not interleaved step by step). Reported:
-median and p10 per system, and ours / llama.cpp's best by median and by p10 (the goal: <= 0.5
-at every window and weight type).
+shares a process with the code it checks); `--rounds` alternations of our side and llama.cpp's
+share the machine's noise between them (ratios side by side in one run, not interleaved step by
+step). Reported: median and p10 per system, and ours / llama.cpp's best by median and by p10 (the
+goal: <= 0.5 at every window and weight type).
 """
 
 from __future__ import annotations
