@@ -5,6 +5,7 @@ Not a timed test: the ratios it prints are checked by a human, on a quiet machin
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -244,3 +245,35 @@ def test_bench_products_smoke(tmp_path):
     assert "streamed/hot" in proc.stdout
     bad = subprocess.run([sys.executable, str(bench), "--types", "q9_9"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown weight types ['q9_9']" in bad.stderr
+
+
+def test_early_options_and_the_omp_wait_policy(monkeypatch):
+    """The options the benchmarks read before their native libraries load: `--flag V` and `--flag=V`,
+    else the default; the wait policy set upper-cased, 'default' leaving OMP_WAIT_POLICY unset (as a
+    llama.cpp host runs), anything else refused by name."""
+    import pytest
+
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import machine
+
+    argv = ["--threads", "3", "--omp-wait-policy=passive", "--json"]
+    assert machine.early_option(argv, "--threads", "2") == "3"
+    assert machine.early_option(argv, "--omp-wait-policy", "default") == "passive"
+    assert machine.early_option(argv, "--json", "x") == "x"  # no value after it
+    assert machine.early_option(argv, "--reps", "7") == "7"
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    machine.set_omp_wait_policy("passive")
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    machine.set_omp_wait_policy("Default")
+    assert "OMP_WAIT_POLICY" not in os.environ
+    with pytest.raises(SystemExit, match="'spin'"):
+        machine.set_omp_wait_policy("spin")
+
+
+def test_bench_llama_cpp_refuses_a_bad_wait_policy_before_loading_anything():
+    """A bad --omp-wait-policy stops bench_llama_cpp.py with its name, before ggml or llama.cpp load."""
+    r = subprocess.run([sys.executable, str(BENCH.parent / "bench_llama_cpp.py"), "--omp-wait-policy", "spin"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "--omp-wait-policy must be active, passive or default, got 'spin'" in r.stderr
