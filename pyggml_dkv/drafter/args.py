@@ -16,6 +16,7 @@ from .masks import SWA_MODES
 CACHE_TYPES = ("f16", "f32")
 ATTENTION_PRECISIONS = ("f32", "bf16")
 MAX_CAP = 1 << 22
+MAX_LANES = 256
 
 
 def check_drafter_args(weights: Any, backend: Any, cap: Any, cache_type: str, swa: str, attention: str) -> int:

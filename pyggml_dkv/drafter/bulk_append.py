@@ -29,8 +29,9 @@ def read_rows(ring: FeatureRing, positions: np.ndarray) -> np.ndarray:
 
 
 def bulk_append(weights: BackendWeights, backend: Backend, k_cache: list[Tensor], v_cache: list[Tensor],
-                ring: FeatureRing, positions: np.ndarray, cap: int) -> None:
-    """Write the K/V of ascending `positions` into ring slots positions % cap, BULK_CHUNK at a time."""
+                ring: FeatureRing, positions: np.ndarray, cap: int, first_row: int = 0) -> None:
+    """Write the K/V of ascending `positions` into ring slots positions % cap, BULK_CHUNK at a time;
+    the slots of a lane start at `first_row` of the caches."""
     cfg = weights.cfg
     size = 64 * cfg.n_layer + 64
     matrices = weights.bulk  # hundreds of rows: the kernels' copies for those (q8_0 on AMX CPUs)
@@ -44,7 +45,7 @@ def bulk_append(weights: BackendWeights, backend: Backend, k_cache: list[Tensor]
             with Buffer.alloc_ctx_tensors(in_ctx, backend):
                 feat.set(read_rows(ring, chunk))
                 pos.set(chunk.astype(np.int32))
-                rows.set((chunk % cap).astype(np.int32))
+                rows.set((chunk % cap + first_row).astype(np.int32))
                 graph = Graph(g, size)
                 ks, vs = L.append_rows(g, matrices, k_cache, v_cache, feat, pos, rows)
                 for t in (*ks, *vs):

@@ -10,16 +10,20 @@ argmax), and the target's token embedding + lm_head.
     ... verify with the target, accept k tokens + a bonus ...
     drafter.rewind(n_before + k)                  # drop what verification rejected
     drafter.add_features(features_of_accepted)    # and continue
+
+With `lanes=N` it drafts for N requests at once: each lane has its own ring of features, and
+`propose_lanes([tok0, None, tok2, ...])` drafts for every lane given a token in one graph compute.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ..common.checks import is_int, is_real
+from ..common.checks import check_int, is_int, is_real
 from ..common.sampling import sampling_probs
 from ..model.backend_weights import BackendWeights
 from .cache import DraftKvCache
@@ -55,6 +59,8 @@ class Drafter:
     `lm_head_screen="q8_0"`: greedy drafts (temperature 0, p_min 0) come from the screened argmax,
     the exact head's ids at about a q8_0 head's cost; sampling and p_min still read the full head's
     logits (DraftKvCache, drafter.head_screen).
+    `lanes`: requests drafted in one compute, each with its own feature ring (`lane=` on
+    add_features / rewind / reset / propose; `propose_lanes` for several at once).
     """
 
     def __init__(
@@ -73,6 +79,7 @@ class Drafter:
         p_min: float = 0.0,
         lm_head_dtype: str | None = None,
         lm_head_screen: str | None = None,
+        lanes: int = 1,
     ) -> None:
         # greedy drafts stop at the first token the drafter itself gives less than p_min (llama.cpp's
         # --draft-p-min): a short draft is cheaper to verify where the drafter is unsure anyway
@@ -103,66 +110,133 @@ class Drafter:
             if not 0 <= self.cfg.mask_token_id < self.vocab:
                 raise ValueError(f"mask_token_id {self.cfg.mask_token_id} is outside the target's vocab of {self.vocab}")
             self.q_len = self.cfg.block_size
-            self.ring = FeatureRing(ring_cap or cap + 2 * self.q_len, self.cfg.fc_in, ring_dtype)
+            self.lanes = check_int("lanes", lanes, 1)
+            self.rings = [FeatureRing(ring_cap or cap + 2 * self.q_len, self.cfg.fc_in, ring_dtype)
+                          for _ in range(self.lanes)]
+            self.ring = self.rings[0]
             self.cache = DraftKvCache(self.weights, self.backend, cap, lm_head=head, cache_type=cache_type,
                                       swa=swa, embed_tokens=embed, lm_head_dtype=lm_head_dtype,
-                                      lm_head_screen=lm_head_screen)
+                                      lm_head_screen=lm_head_screen, lanes=self.lanes)
         except BaseException:
             self.close()
             raise
-        self._tokens = np.full(self.q_len, self.cfg.mask_token_id, dtype=np.int32)
+        self._tokens = [np.full(self.q_len, self.cfg.mask_token_id, dtype=np.int32) for _ in range(self.lanes)]
+
+    def _ring_of(self, lane: Any) -> FeatureRing:
+        if not is_int(lane) or not 0 <= int(lane) < self.lanes:
+            raise ValueError(f"lane must be an int in [0, {self.lanes}), got {lane!r}")
+        return self.rings[int(lane)]
 
     @property
     def committed(self) -> int:
-        """Number of tokens whose target features the drafter has."""
+        """Number of tokens whose target features the drafter has (lane 0's)."""
         return self.ring.written
 
-    def add_features(self, rows: Any) -> None:
-        """Captured target features `(n, fc_in)` of the next n committed tokens."""
-        self.ring.append(rows)
+    def committed_of(self, lane: int) -> int:
+        """Number of tokens whose target features lane `lane` has."""
+        return self._ring_of(lane).written
 
-    def rewind(self, n_committed: int) -> None:
-        """Keep only the first n_committed tokens' features (verification rejected the rest)."""
-        self.ring.truncate(n_committed)
+    def add_features(self, rows: Any, *, lane: int = 0) -> None:
+        """Captured target features `(n, fc_in)` of the next n committed tokens of `lane`."""
+        self._ring_of(lane).append(rows)
 
-    def reset(self) -> None:
-        """Start a new request."""
-        self.ring.clear()
-        self.cache.reset()
+    def rewind(self, n_committed: int, *, lane: int = 0) -> None:
+        """Keep only the first n_committed tokens' features of `lane` (verification rejected the rest)."""
+        self._ring_of(lane).truncate(n_committed)
+
+    def reset(self, lane: int | None = None) -> None:
+        """Start a new request on `lane` (every lane when None)."""
+        if lane is not None:
+            self._ring_of(lane)  # checks the index
+        for i in range(self.lanes) if lane is None else [int(lane)]:
+            self.rings[i].clear()
+            self.cache.reset(i)
 
     def noise_embed(self, last_token: int) -> np.ndarray:
         """The noise block's embeddings (q_len, hidden): [last_token, mask, mask, ...], scaled.
         (What propose() looks up inside the graph; for graphs that take embeddings.)"""
-        ids = self._tokens.copy()
+        ids = np.full(self.q_len, self.cfg.mask_token_id, dtype=np.int64)
         ids[0] = last_token
         return self.embed_tokens[ids].astype(np.float32) * np.float32(self.cfg.input_embedding_scale)
 
-    def propose(self, last_token: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                rng: np.random.Generator | None = None) -> Any:
-        """Draft block_size-1 tokens after `last_token` (the last accepted token) in one graph compute.
-
-        Greedy (temperature 0): returns the token ids (cut before the first one the drafter gives
-        less than `p_min`). Sampling: returns `(ids, probs)` where probs[i] is the distribution
-        draft token i was drawn from, for the host's rejection sampling (never cut).
-        """
-        if self.committed <= 0:
-            raise ValueError("propose() needs the features of at least one committed token (add_features first)")
-        if not is_int(last_token) or not 0 <= last_token < self.vocab:
-            raise ValueError(f"last_token must be a token id in [0, {self.vocab}), got {last_token!r}")
+    def _check_sampling(self, temperature: Any, top_k: Any, top_p: Any) -> None:
         if not is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if not is_real(top_p) or not 0 < top_p <= 1.0:
             raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
         if not is_int(top_k) or top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
-        self._tokens[0] = last_token
-        if temperature == 0 and self.p_min == 0.0:
-            return self.cache.step_tokens(self.ring, self.committed, self._tokens, output="ids")[1:].astype(np.int64)
-        logits = self.cache.step_tokens(self.ring, self.committed, self._tokens, output="logits")[1:]
-        if temperature == 0:
-            return confident_prefix(logits, self.p_min)
-        probs = sampling_probs(logits, temperature, top_k, top_p)
-        return sample_rows(probs, rng or np.random.default_rng()), probs
+
+    def _check_token(self, lane: int, last_token: Any) -> None:
+        if self.rings[lane].written <= 0:
+            where = f" on lane {lane}" if self.lanes > 1 else ""
+            raise ValueError(f"propose() needs the features of at least one committed token{where} (add_features first)")
+        if not is_int(last_token) or not 0 <= last_token < self.vocab:
+            raise ValueError(f"last_token must be a token id in [0, {self.vocab}), got {last_token!r}")
+
+    def propose(self, last_token: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                rng: np.random.Generator | None = None, lane: int = 0) -> Any:
+        """Draft block_size-1 tokens after `last_token` (the last accepted token) in one graph compute.
+
+        Greedy (temperature 0): returns the token ids (cut before the first one the drafter gives
+        less than `p_min`). Sampling: returns `(ids, probs)` where probs[i] is the distribution
+        draft token i was drawn from, for the host's rejection sampling (never cut).
+        With lanes, drafts for `lane` alone (the other lanes idle for this compute).
+        """
+        self._ring_of(lane)
+        tokens: list[int | None] = [None] * self.lanes
+        tokens[int(lane)] = last_token
+        return self.propose_lanes(tokens, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)[int(lane)]
+
+    def propose_lanes(self, last_tokens: Sequence[int | None], *, temperature: float | Sequence[float] = 0.0,
+                      top_k: int | Sequence[int] = 0, top_p: float | Sequence[float] = 1.0,
+                      rng: np.random.Generator | None = None) -> list[Any]:
+        """Draft for every lane whose `last_tokens` entry is a token (None: idle) in one graph
+        compute; returns one result per lane as propose() gives it (None for idle lanes). The
+        sampling settings are one for all lanes or one per lane."""
+        if isinstance(last_tokens, (str, bytes, np.ndarray)) or not isinstance(last_tokens, Sequence) \
+                or len(last_tokens) != self.lanes:
+            raise ValueError(f"last_tokens must be a list of {self.lanes} entries (a token id, or None for an idle lane)")
+        settings = {name: self._per_lane(name, value) for name, value in
+                    (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))}
+        active = [lane for lane, tok in enumerate(last_tokens) if tok is not None]
+        if not active:
+            raise ValueError("last_tokens has no token: every lane is idle")
+        for lane in active:
+            try:
+                self._check_token(lane, last_tokens[lane])
+                self._check_sampling(settings["temperature"][lane], settings["top_k"][lane], settings["top_p"][lane])
+            except ValueError as e:
+                raise ValueError(f"lane {lane}: {e}" if self.lanes > 1 else str(e)) from None
+        for lane in active:
+            self._tokens[lane][0] = last_tokens[lane]
+        greedy_ids = self.p_min == 0.0 and all(settings["temperature"][lane] == 0 for lane in active)
+        rings = [self.rings[i] if i in active else None for i in range(self.lanes)]
+        committed = [self.rings[i].written if i in active else None for i in range(self.lanes)]
+        tokens = [self._tokens[i] if i in active else None for i in range(self.lanes)]
+        if self.lanes == 1:
+            rings, committed, tokens = rings[0], committed[0], tokens[0]  # type: ignore[assignment]
+        out = self.cache.step_tokens(rings, committed, tokens, output="ids" if greedy_ids else "logits")
+        per_lane = out if self.lanes > 1 else [out]
+        results: list[Any] = [None] * self.lanes
+        for lane in active:
+            rows = per_lane[lane][1:]
+            t = settings["temperature"][lane]
+            if greedy_ids:
+                results[lane] = rows.astype(np.int64)
+            elif t == 0:
+                results[lane] = confident_prefix(rows, self.p_min)
+            else:
+                probs = sampling_probs(rows, t, settings["top_k"][lane], settings["top_p"][lane])
+                results[lane] = (sample_rows(probs, rng or np.random.default_rng()), probs)
+        return results
+
+    def _per_lane(self, name: str, value: Any) -> list[Any]:
+        if self.lanes > 1 and isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            if len(value) != self.lanes:
+                raise ValueError(f"{name} must be one value or {self.lanes} (one per lane), got {len(value)}")
+            return list(value)
+        return [value] * self.lanes
 
     def close(self) -> None:
         """Free everything this drafter created. Idempotent."""

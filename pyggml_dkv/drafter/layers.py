@@ -65,10 +65,13 @@ def queries(g: Context, w: BackendWeights, layer: int, hn: Tensor, pos: Tensor) 
     return rope(g, norm(g, q, w.layer(layer, "self_attn.q_norm.weight"), cfg.rms_eps), pos, cfg)
 
 
-def kv_heads_view(g: Context, cache: Tensor, cfg: DraftConfig, n_rows: int) -> Tensor:
-    """A [head_dim*n_head_kv, rows] cache seen as [head_dim, rows, n_head_kv] (no copy)."""
+def kv_heads_view(g: Context, cache: Tensor, cfg: DraftConfig, n_rows: int, lanes: int = 1) -> Tensor:
+    """A [head_dim*n_head_kv, n_rows * lanes] cache seen as [head_dim, n_rows, n_head_kv, lanes]
+    (no copy): each lane's `n_rows` rows are a batch of their own for flash attention."""
     head_bytes = cache.nb[0] * cfg.head_dim
-    return g.view(cache, (cfg.head_dim, n_rows, cfg.n_head_kv), (cache.nb[1], head_bytes), 0)
+    if lanes == 1:
+        return g.view(cache, (cfg.head_dim, n_rows, cfg.n_head_kv), (cache.nb[1], head_bytes), 0)
+    return g.view(cache, (cfg.head_dim, n_rows, cfg.n_head_kv, lanes), (cache.nb[1], head_bytes, cache.nb[1] * n_rows), 0)
 
 
 def group_size(cfg: DraftConfig) -> int:
@@ -88,8 +91,13 @@ def fold_gqa(cfg: DraftConfig, backend_is_cpu: bool) -> bool:
 
 
 def attend(g: Context, w: BackendWeights, layer: int, q: Tensor, k_all: Tensor, v_all: Tensor,
-           mask: Tensor, fold: bool, bf16_products: bool = False) -> Tensor:
-    """Flash attention of q [head_dim, n_head, q_len] over [head_dim*n_head_kv, rows] K/V, then o_proj.
+           mask: Tensor, fold: bool, bf16_products: bool = False, lanes: int = 1, lane_rows: int = 0) -> Tensor:
+    """Flash attention of q [head_dim, n_head, q_len * lanes] over [head_dim*n_head_kv, rows] K/V, then o_proj.
+
+    With `lanes` > 1 the query rows are `lanes` blocks of q_len, lane l's block attends only to
+    rows [l * lane_rows, (l + 1) * lane_rows) of K/V: the lanes are flash attention's batch
+    dimension (ne3), each with its own mask plane, so no lane can see another's keys
+    (docs/design.md, "Lanes").
 
     With `fold`, the query heads sharing a K/V head become rows r = j + q_len*g of that head (g =
     the head's index within its group), and `mask` must have those rows: row j + q_len*g = query
@@ -98,23 +106,35 @@ def attend(g: Context, w: BackendWeights, layer: int, q: Tensor, k_all: Tensor, 
     on AMX tiles (ggml with vendor/patches/0009), else f32 precision throughout.
     """
     cfg = w.cfg
-    hd, q_len, n_kv, groups = cfg.head_dim, q.ne[2], cfg.n_head_kv, group_size(cfg)
-    rows = k_all.ne[1]
-    k = kv_heads_view(g, k_all, cfg, rows)
-    v = kv_heads_view(g, v_all, cfg, rows)
+    hd, n_kv, groups = cfg.head_dim, cfg.n_head_kv, group_size(cfg)
+    q_len = q.ne[2] // lanes
+    rows = lane_rows or k_all.ne[1]
+    k = kv_heads_view(g, k_all, cfg, rows, lanes)
+    v = kv_heads_view(g, v_all, cfg, rows, lanes)
     scale = 1.0 / math.sqrt(hd)
-    if fold:
+    prec = dict(prec_f32=not bf16_products, prec_bf16=bf16_products)
+    if lanes == 1 and fold:
         # q[d, h = g + groups*kv, j] -> [d, j + q_len*g, kv]
         q4 = g.reshape(q, hd, groups, n_kv, q_len)
         qf = g.reshape(g.cont(g.permute(q4, 0, 2, 3, 1)), hd, q_len * groups, n_kv)
-        out = g.flash_attn_ext(qf, k, v, mask, scale, prec_f32=not bf16_products, prec_bf16=bf16_products)  # [d, kv, j + q_len*g]
+        out = g.flash_attn_ext(qf, k, v, mask, scale, **prec)  # [d, kv, j + q_len*g]
         # -> [d, h = g + groups*kv, j]
         out4 = g.reshape(out, hd, n_kv, q_len, groups)
         out = g.cont(g.permute(out4, 0, 2, 3, 1))
+    elif fold:
+        # q[d, h = g + groups*kv, j, lane] -> [d, j, h, lane] = [d, j + q_len*g, kv, lane]
+        q4 = g.reshape(q, hd, cfg.n_head, q_len, lanes)
+        qf = g.reshape(g.cont(g.permute(q4, 0, 2, 1, 3)), hd, q_len * groups, n_kv, lanes)
+        out = g.flash_attn_ext(qf, k, v, mask, scale, **prec)  # [d, kv, j + q_len*g, lane]
+        # -> [d, j + q_len*g, kv, lane] = [d, j, h, lane] -> [d, h, j, lane]: two moves, as ggml has four dims
+        out = g.cont(g.permute(out, 0, 2, 1, 3))
+        out = g.cont(g.permute(g.reshape(out, hd, q_len, cfg.n_head, lanes), 0, 2, 1, 3))
+    elif lanes == 1:
+        out = g.flash_attn_ext(g.permute(q, 0, 2, 1, 3), k, v, mask, scale, **prec)  # [d, n_head, q_len]
     else:
-        out = g.flash_attn_ext(g.permute(q, 0, 2, 1, 3), k, v, mask, scale, prec_f32=not bf16_products,
-                               prec_bf16=bf16_products)  # [d, n_head, q_len]
-    out = g.reshape(out, hd * cfg.n_head, q_len)
+        q4 = g.reshape(q, hd, cfg.n_head, q_len, lanes)
+        out = g.flash_attn_ext(g.permute(q4, 0, 2, 1, 3), k, v, mask, scale, **prec)  # [d, n_head, q_len, lane]
+    out = g.reshape(out, hd * cfg.n_head, q_len * lanes)
     return g.mul_mat(w.layer(layer, "self_attn.o_proj.weight"), out)
 
 
@@ -180,8 +200,12 @@ def embed_tokens(g: Context, cfg: DraftConfig, table: Tensor, tokens: Tensor) ->
 
 def noise_forward(g: Context, w: BackendWeights, h: Tensor, pos_q: Tensor, kv_of_layer: KvOfLayer,
                   masks: dict[bool, Tensor | None], layer_swa: list[bool], fold: bool,
-                  bf16_products: bool, lm_head: Tensor | None) -> Head:
-    """The drafter's forward of the noise block h [hidden, q_len] at positions pos_q.
+                  bf16_products: bool, lm_head: Tensor | None, lanes: int = 1, lane_rows: int = 0) -> Head:
+    """The drafter's forward of the noise block h [hidden, q_len * lanes] at positions pos_q.
+
+    With `lanes` > 1, h holds one noise block per lane, one after another; every product runs over
+    all of them at once, and attention keeps them apart (`attend`), each lane's K/V being its
+    `lane_rows` rows of the cache.
 
     `kv_of_layer(layer, hn)` projects the block's own K/V and returns them joined with the
     context's (the cache writes them into its ring; the one-shot graph concatenates);
@@ -193,6 +217,6 @@ def noise_forward(g: Context, w: BackendWeights, h: Tensor, pos_q: Tensor, kv_of
         q = queries(g, w, layer, hn, pos_q)
         k_all, v_all = kv_of_layer(layer, hn)
         mask = masks[layer_swa[layer]]
-        h = g.add(h, attend(g, w, layer, q, k_all, v_all, mask, fold, bf16_products=bf16_products))
+        h = g.add(h, attend(g, w, layer, q, k_all, v_all, mask, fold, bf16_products, lanes, lane_rows))
         h = feed_forward(g, w, layer, h)
     return output_head(g, w, h, lm_head)

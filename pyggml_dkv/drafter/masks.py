@@ -103,6 +103,14 @@ class StepMasks:
         self.full = full_kind(*args, noise_visible(q_len, False, swa, swa_window)) if any_full else None
         self.sliding = swa_kind(*args, noise_visible(q_len, True, swa, swa_window)) if any_swa else None
 
+    def fill_idle(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The (full, sliding) images of an idle lane: no context key visible (the noise keys
+        stay, so no row's softmax is empty)."""
+        none = np.zeros((1, self.full.n_ctx if self.full is not None else self.sliding.n_ctx), dtype=bool)  # type: ignore[union-attr]
+        full = self.full.set_context(none) if self.full is not None else None
+        sliding = self.sliding.set_context(none) if self.sliding is not None else None
+        return full, sliding
+
     def fill(self, key_pos: np.ndarray, lo: int, committed: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The (full, sliding) images for a step at `committed` with window [lo, committed)."""
         live = ((key_pos >= lo) & (key_pos < committed))[None, :]

@@ -19,7 +19,8 @@ from .masks import SplitMask, StepMasks
 
 @dataclass(frozen=True)
 class Geometry:
-    """Sizes of the cache (docs/design.md, "Geometry")."""
+    """Sizes of the cache (docs/design.md, "Geometry" and "Lanes"). Every per-lane size is the
+    same as a single-lane cache's; lane l's K/V rows are [l * kv_total, (l + 1) * kv_total)."""
 
     cap: int  # ring slots per layer: the longest context window
     q_len: int  # the noise block: one draft block
@@ -28,16 +29,27 @@ class Geometry:
     kv_total: int  # K/V rows per layer: cap ring slots, q_len noise rows, trash, padded to 32
     mask_rows: int  # rows of each mask: q_len, times the query heads per K/V head when folded
     fold_buckets: tuple[int, ...]  # fold-in sizes with a step graph of their own, ascending, the last a_step
+    lanes: int = 1  # requests drafted in one step, each with its own rings of K/V rows
+    lane_counts: tuple[int, ...] = (1,)  # numbers of leading lanes with step graphs of their own, the last `lanes`
 
     @classmethod
-    def of(cls, cap: int, q_len: int, groups: int) -> "Geometry":
+    def of(cls, cap: int, q_len: int, groups: int, lanes: int = 1) -> "Geometry":
         kv_total = (cap + q_len + 1 + 31) // 32 * 32
         a_step = 2 * q_len + 2
-        return cls(cap, q_len, a_step, cap + q_len, kv_total, q_len * groups, fold_buckets(q_len, a_step))
+        return cls(cap, q_len, a_step, cap + q_len, kv_total, q_len * groups, fold_buckets(q_len, a_step),
+                   lanes, lane_counts(lanes))
 
-    def bucket_for(self, n_rows: int) -> int:
-        """The smallest fold-in size that takes `n_rows` new rows (<= a_step)."""
-        return next(b for b in self.fold_buckets if b >= n_rows)
+    def bucket_for(self, n_rows: int, n_lanes: int = 1) -> int:
+        """The smallest fold-in size of an `n_lanes` graph that takes `n_rows` new rows (<= n_lanes * a_step)."""
+        return next(n_lanes * b for b in self.fold_buckets if n_lanes * b >= n_rows)
+
+    def lanes_for(self, highest_lane: int) -> int:
+        """The smallest lane count with graphs that computes lanes 0..highest_lane."""
+        return next(n for n in self.lane_counts if n > highest_lane)
+
+    def graph_keys(self) -> list[tuple[int, int]]:
+        """(lanes computed, fold-in rows) of every step graph, the last the whole cache's widest."""
+        return [(n, n * b) for n in self.lane_counts for b in self.fold_buckets]
 
 
 def fold_buckets(q_len: int, a_step: int) -> tuple[int, ...]:
@@ -50,6 +62,23 @@ def fold_buckets(q_len: int, a_step: int) -> tuple[int, ...]:
     graph built at init and replayed as it is (docs/design.md, "Fold-in and bulk append").
     """
     return tuple(sorted({max(1, q_len // 4), q_len // 2 + 1, min(q_len + 2, a_step), a_step}))
+
+
+def lane_counts(lanes: int) -> tuple[int, ...]:
+    """The numbers of leading lanes that get step graphs of their own: 1, 2, 4, ... below `lanes`,
+    and `lanes`.
+
+    A step computes the smallest count that covers its highest active lane; the lanes past it cost
+    nothing, an idle lane below it the products of its q_len rows (its attention is masked to its
+    own noise block and skipped). Powers of two keep the graphs (and their compute buffers) to
+    about log2(lanes) per fold-in size while wasting at most half the rows (docs/design.md, "Lanes").
+    """
+    counts = {lanes}
+    n = 1
+    while n < lanes:
+        counts.add(n)
+        n *= 2
+    return tuple(sorted(counts))
 
 
 class StepGraph(Graph):
@@ -66,40 +95,88 @@ class StepGraph(Graph):
         self._on_computed(self)
 
 
+@dataclass
+class LaneInputs:
+    """One lane's part of the step inputs: views of the shared tensors, written by that lane alone."""
+
+    pos_q: Tensor
+    noise: Tensor  # its token ids (inp_tokens) or embeddings (inp_embed)
+    masks: dict[str, Tensor]  # per mask name: its plane, or for a split mask its row
+    mask_bases: dict[str, Tensor]  # per split mask name: its base plane
+
+
 class CacheMemory:
-    """The K/V rings of every layer and every step input, in ONE zero-filled backend buffer."""
+    """The K/V rings of every layer and every step input, in ONE zero-filled backend buffer.
+
+    With lanes, every per-request tensor holds all lanes one after another: K/V rows (kv_total a
+    lane), noise rows (q_len a lane), mask planes (ne3: one a lane); `lane_inputs[l]` are lane l's
+    views. The fold-in inputs hold the new rows of every lane of a step packed together."""
 
     def __init__(self, weights: BackendWeights, backend: Backend, geo: Geometry, cache_type: str,
                  masks: StepMasks, token_input: bool) -> None:
         cfg = weights.cfg
         kv_width = cfg.head_dim * cfg.n_head_kv
-        self.ctx = Context(n_tensors=2 * cfg.n_layer + 14)
+        lanes = geo.lanes
+        self.ctx = Context(n_tensors=2 * cfg.n_layer + 14 + 8 * lanes)
         m = self.ctx
-        self.k_cache = [m.new_tensor(cache_type, kv_width, geo.kv_total, name=f"k_cache.{i}") for i in range(cfg.n_layer)]
-        self.v_cache = [m.new_tensor(cache_type, kv_width, geo.kv_total, name=f"v_cache.{i}") for i in range(cfg.n_layer)]
+        self.k_cache = [m.new_tensor(cache_type, kv_width, geo.kv_total * lanes, name=f"k_cache.{i}") for i in range(cfg.n_layer)]
+        self.v_cache = [m.new_tensor(cache_type, kv_width, geo.kv_total * lanes, name=f"v_cache.{i}") for i in range(cfg.n_layer)]
         # the noise block enters as embeddings the host fills, or as token ids looked up in-graph
-        self.inp_tokens = m.new_tensor("i32", geo.q_len, name="inp_tokens") if token_input else None
-        self.inp_embed = None if token_input else m.new_tensor("f32", cfg.hidden, geo.q_len, name="inp_embed")
-        self.pos_q = m.new_tensor("i32", geo.q_len, name="pos_q")
-        self.noise_rows = m.new_tensor("i32", geo.q_len, name="noise_rows")
-        # each mask as attention reads it; a SplitMask's is written by every step graph from its
-        # base (uploaded once) and its context row (uploaded each step): drafter.masks
-        self.mask_full = m.new_tensor("f16", geo.kv_total, geo.mask_rows, name="mask_full") if masks.full else None
-        self.mask_swa = m.new_tensor("f16", geo.kv_total, geo.mask_rows, name="mask_swa") if masks.sliding else None
+        q_rows = geo.q_len * lanes
+        self.inp_tokens = m.new_tensor("i32", q_rows, name="inp_tokens") if token_input else None
+        self.inp_embed = None if token_input else m.new_tensor("f32", cfg.hidden, q_rows, name="inp_embed")
+        self.pos_q = m.new_tensor("i32", q_rows, name="pos_q")
+        self.noise_rows = m.new_tensor("i32", q_rows, name="noise_rows")
+        # each mask as attention reads it (a plane per lane); a SplitMask's is written by every step
+        # graph from its base (uploaded once) and its context row (uploaded each step): drafter.masks
+        planes = (1, lanes) if lanes > 1 else ()
+        self.mask_full = m.new_tensor("f16", geo.kv_total, geo.mask_rows, *planes, name="mask_full") if masks.full else None
+        self.mask_swa = m.new_tensor("f16", geo.kv_total, geo.mask_rows, *planes, name="mask_swa") if masks.sliding else None
         self.mask_parts: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (base, row) of a split mask
         for name, mask in (("mask_full", masks.full), ("mask_swa", masks.sliding)):
             if isinstance(mask, SplitMask):
-                self.mask_parts[name] = (m.new_tensor("f16", geo.kv_total, geo.mask_rows, name=f"{name}_base"),
-                                         m.new_tensor("f16", geo.kv_total, 1, name=f"{name}_row"))
-        self.ap_feat = m.new_tensor("f32", cfg.fc_in, geo.a_step, name="ap_feat")
-        self.ap_pos = m.new_tensor("i32", geo.a_step, name="ap_pos")
-        self.ap_rows = m.new_tensor("i32", geo.a_step, name="ap_rows")
+                self.mask_parts[name] = (m.new_tensor("f16", geo.kv_total, geo.mask_rows, *planes, name=f"{name}_base"),
+                                         m.new_tensor("f16", geo.kv_total, 1, *planes, name=f"{name}_row"))
+        self.ap_feat = m.new_tensor("f32", cfg.fc_in, geo.a_step * lanes, name="ap_feat")
+        self.ap_pos = m.new_tensor("i32", geo.a_step * lanes, name="ap_pos")
+        self.ap_rows = m.new_tensor("i32", geo.a_step * lanes, name="ap_rows")
         for t in self.inputs():
             t.set_input()
+        self.lane_inputs = [self._lane_views(lane, geo) for lane in range(lanes)] if lanes > 1 else [self._whole_lane()]
         self.buf = Buffer.alloc_ctx_tensors(m, backend)
         self.buf.clear(0)
-        self.noise_rows.set(np.arange(geo.cap, geo.cap + geo.q_len, dtype=np.int32))
-        self.ap_rows.set(np.full(geo.a_step, geo.trash_slot, dtype=np.int32))
+        self.noise_rows.set(np.concatenate([np.arange(geo.cap, geo.cap + geo.q_len, dtype=np.int32) + lane * geo.kv_total
+                                            for lane in range(lanes)]))
+        self.ap_rows.set(np.full(geo.a_step * lanes, geo.trash_slot, dtype=np.int32))
+
+    def _mask_names(self) -> list[str]:
+        return [n for n in ("mask_full", "mask_swa") if getattr(self, n) is not None]
+
+    def _whole_lane(self) -> LaneInputs:
+        noise = self.inp_tokens if self.inp_tokens is not None else self.inp_embed
+        masks = {n: self.mask_parts[n][1] if n in self.mask_parts else getattr(self, n) for n in self._mask_names()}
+        return LaneInputs(self.pos_q, noise, masks, {n: base for n, (base, _) in self.mask_parts.items()})  # type: ignore[arg-type]
+
+    def _lane_views(self, lane: int, geo: Geometry) -> LaneInputs:
+        m, q = self.ctx, geo.q_len
+
+        def plane(t: Tensor) -> Tensor:
+            return m.view(t, t.ne[:2], (t.nb[1],), lane * t.nb[3])
+
+        pos_q = m.view(self.pos_q, (q,), (), lane * q * self.pos_q.nb[0])
+        if self.inp_tokens is not None:
+            noise = m.view(self.inp_tokens, (q,), (), lane * q * self.inp_tokens.nb[0])
+        else:
+            e = self.inp_embed
+            noise = m.view(e, (e.ne[0], q), (e.nb[1],), lane * q * e.nb[1])  # type: ignore[union-attr]
+        masks, bases = {}, {}
+        for name in self._mask_names():
+            if name in self.mask_parts:
+                base, row = self.mask_parts[name]
+                masks[name], bases[name] = plane(row), plane(base)
+            else:
+                masks[name] = plane(getattr(self, name))
+        return LaneInputs(pos_q, noise, masks, bases)
 
     def inputs(self) -> list[Tensor]:
         masks = [getattr(self, n) for n in ("mask_full", "mask_swa") if n not in self.mask_parts]
@@ -107,14 +184,22 @@ class CacheMemory:
         return [t for t in (self.inp_embed, self.inp_tokens, self.pos_q, self.noise_rows, self.ap_feat,
                             self.ap_pos, self.ap_rows, *masks, *parts) if t is not None]
 
-    def attention_mask(self, g: Context, gf: Graph, name: str) -> Tensor | None:
-        """The mask `name` for a graph: the leaf itself, or for a split mask base + row written
-        into the leaf by this graph (so the leaf always holds the mask the last step used)."""
+    def attention_mask(self, g: Context, gf: Graph, name: str, n_lanes: int) -> Tensor | None:
+        """The mask `name` of the first `n_lanes` lanes for a graph: the leaf itself (or its
+        leading planes), or for a split mask base + row written into the leaf by this graph (so
+        the leaf always holds the mask the last step used)."""
         mask = getattr(self, name)
-        if mask is None or name not in self.mask_parts:
-            return mask
+        if mask is None:
+            return None
+        lanes = mask.ne[3]
+
+        def leading(t: Tensor) -> Tensor:
+            return t if n_lanes == lanes else g.view(t, (*t.ne[:3], n_lanes), t.nb[1:4])
+
+        if name not in self.mask_parts:
+            return leading(mask)
         base, row = self.mask_parts[name]
-        return gf.expand(g.cpy(g.add(base, row), mask))
+        return gf.expand(g.cpy(g.add(leading(base), leading(row)), leading(mask)))
 
     def close(self) -> None:
         self.buf.close()
@@ -129,6 +214,8 @@ class BuiltStepGraph:
     hidden_states: Tensor
     logits: Tensor | None
     draft_ids: Tensor | None
+    n_lanes: int = 1  # the leading lanes it computes
+    fold_rows: int = 0  # the fold-in rows it takes
 
     def close(self) -> None:
         self.galloc.close()
@@ -142,13 +229,14 @@ def first_rows(g: Context, t: Tensor, n: int) -> Tensor:
     return t if n == t.ne[1] else g.view(t, (t.ne[0], n), (t.nb[1],))
 
 
-def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory, layer_swa: list[bool],
-                     fold: bool, bf16_products: bool, lm_head: Tensor | None, embed_table: Tensor | None,
-                     on_computed: Callable[[StepGraph], None], fold_rows: int,
-                     head_screen: HeadScreen | None = None) -> BuiltStepGraph:
-    """Build and allocate a step graph folding in the first `fold_rows` rows of the fold-in inputs,
-    once; every step recomputes it as it is. With a `head_screen` the draft ids come from the
-    screened argmax (drafter.head_screen) and this graph has no logits."""
+def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory, geo: Geometry,
+                     layer_swa: list[bool], fold: bool, bf16_products: bool, lm_head: Tensor | None,
+                     embed_table: Tensor | None, on_computed: Callable[[StepGraph], None], n_lanes: int,
+                     fold_rows: int, head_screen: HeadScreen | None = None) -> BuiltStepGraph:
+    """Build and allocate a step graph of the first `n_lanes` lanes folding in the first
+    `fold_rows` rows of the fold-in inputs, once; every step recomputes it as it is. With a
+    `head_screen` the draft ids come from the screened argmax (drafter.head_screen) and this
+    graph has no logits."""
     cfg = weights.cfg
     size = L.graph_size_for(cfg)
     g = Context(n_tensors=size, graph_size=size)
@@ -160,16 +248,23 @@ def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory
         for t in (*k_caches, *v_caches):
             gf.expand(t)
 
-        # (b) noise forward: the block's own K/V go to its ring rows, attention spans all kv_total rows
+        # (b) noise forward of the lanes' blocks: their own K/V go to their lanes' ring rows, each
+        # lane attends over its kv_total rows
+        q_rows = n_lanes * geo.q_len
+        pos_q, noise_rows = first_rows(g, mem.pos_q, q_rows), first_rows(g, mem.noise_rows, q_rows)
+
         def kv_of_layer(layer: int, hn: Tensor) -> tuple[Tensor, Tensor]:
-            k_all = gf.expand(g.set_rows(k_caches[layer], L.keys(g, weights, layer, hn, mem.pos_q), mem.noise_rows))
-            v_all = gf.expand(g.set_rows(v_caches[layer], L.values(g, weights, layer, hn), mem.noise_rows))
+            k_all = gf.expand(g.set_rows(k_caches[layer], L.keys(g, weights, layer, hn, pos_q), noise_rows))
+            v_all = gf.expand(g.set_rows(v_caches[layer], L.values(g, weights, layer, hn), noise_rows))
             return k_all, v_all
 
-        h = L.embed_tokens(g, cfg, embed_table, mem.inp_tokens) if mem.inp_tokens is not None else mem.inp_embed
-        masks = {False: mem.attention_mask(g, gf, "mask_full"), True: mem.attention_mask(g, gf, "mask_swa")}
-        head = L.noise_forward(g, weights, h, mem.pos_q, kv_of_layer, masks, layer_swa, fold, bf16_products,
-                               lm_head if head_screen is None else None)
+        if mem.inp_tokens is not None:
+            h = L.embed_tokens(g, cfg, embed_table, first_rows(g, mem.inp_tokens, q_rows))
+        else:
+            h = first_rows(g, mem.inp_embed, q_rows)
+        masks = {False: mem.attention_mask(g, gf, "mask_full", n_lanes), True: mem.attention_mask(g, gf, "mask_swa", n_lanes)}
+        head = L.noise_forward(g, weights, h, pos_q, kv_of_layer, masks, layer_swa, fold, bf16_products,
+                               lm_head if head_screen is None else None, n_lanes, geo.kv_total)
 
         # (c) outputs
         hidden = gf.expand(head.hidden)
@@ -189,4 +284,4 @@ def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory
     except BaseException:
         g.close()
         raise
-    return BuiltStepGraph(g, gf, galloc, hidden, logits, draft_ids)
+    return BuiltStepGraph(g, gf, galloc, hidden, logits, draft_ids, n_lanes, fold_rows)

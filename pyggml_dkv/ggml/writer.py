@@ -72,11 +72,11 @@ class TensorWriter:
             raise ValueError(f"tensor {self.name!r}: its writer takes C-contiguous arrays")
         return array
 
-    def _copy(self, array: np.ndarray) -> None:
+    def _copy(self, array: np.ndarray, offset: int = 0) -> None:
         if liveness.delta_uploads:  # (the data address read now: a Gallocr may place a tensor anew)
-            start = liveness.addr(self._ptr.data)
+            start = liveness.addr(self._ptr.data) + offset
             liveness.forget_deltas_overlapping(start, start + array.nbytes)
-        lib.ggml_backend_tensor_set(self._ptr, ffi.from_buffer(array), 0, array.nbytes)
+        lib.ggml_backend_tensor_set(self._ptr, ffi.from_buffer(array), offset, array.nbytes)
         if self._rpc:
             check_rpc_transfer(self._ptr, self.name)
 
@@ -91,3 +91,11 @@ class TensorWriter:
         ok = (isinstance(array, np.ndarray) and array.ndim == len(self.shape) and array.shape[1:] == self.shape[1:]
               and array.shape[0] <= self.shape[0])
         self._copy(self._check_array(array, ok))
+
+    def write_rows_at(self, first: int, array: np.ndarray) -> None:
+        """The tensor's rows [first, first + len(array)) (numpy's leading axis); the rest keep their bytes."""
+        self._check_live()
+        ok = (isinstance(array, np.ndarray) and array.ndim == len(self.shape) and array.shape[1:] == self.shape[1:]
+              and 0 <= first and first + array.shape[0] <= self.shape[0])
+        row_bytes = self.nbytes // self.shape[0]
+        self._copy(self._check_array(array, ok), first * row_bytes)

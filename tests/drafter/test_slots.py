@@ -97,19 +97,19 @@ def test_step_computes_the_smallest_graph_that_takes_its_rows(toy, cpu):
     with DraftKvCache(bw, cpu, 40, cache_type="f32") as c, DraftKvCache(bw, cpu, 40, cache_type="f32") as full:
         geo = c.geometry
         assert geo.fold_buckets[-1] == geo.a_step and list(geo.fold_buckets) == sorted(set(geo.fold_buckets))
-        assert set(c.graphs) == set(geo.fold_buckets) and c.gf is c.graphs[geo.a_step].graph
+        assert set(c.graphs) == {(1, b) for b in geo.fold_buckets} and c.gf is c.graphs[(1, geo.a_step)].graph
         assert c.next_graph() is c.gf  # before any begin_step: the a_step graph
         c.step(ring, 100, noise)
         full.step(ring, 100, noise)
         for n_new in (1, 2, geo.fold_buckets[0] + 1, geo.a_step):
             committed = c.next_pos + n_new
             out = c.step(ring, committed, noise)
-            assert c.hidden_states is c.graphs[geo.bucket_for(n_new)].hidden_states
+            assert c.hidden_states is c.graphs[(1, geo.bucket_for(n_new))].hidden_states
             # what a benchmark times / profiles as the step's graph is the one step() ran
-            assert c.next_graph() is c.next_graph(logits=True) is c.graphs[geo.bucket_for(n_new)].graph
+            assert c.next_graph() is c.next_graph(logits=True) is c.graphs[(1, geo.bucket_for(n_new))].graph
             full.begin_step(ring, committed)  # the C-style route: compute the a_step graph itself
             full.inp_embed.set(noise)
             cpu.compute(full.gf)
-            assert full.hidden_states is full.graphs[geo.a_step].hidden_states
+            assert full.hidden_states is full.graphs[(1, geo.a_step)].hidden_states
             np.testing.assert_allclose(out, full.hidden_states.numpy(), rtol=0, atol=1e-5)
             assert relative_error(out, R.reference_step(w, feats, committed, 40, noise)) < 1e-4
