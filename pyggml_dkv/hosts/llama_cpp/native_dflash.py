@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +77,60 @@ def llama_dflash_trajectory(gguf: str | Path, feats: np.ndarray, commits: list[i
     return np.load(work / "logits.npy")
 
 
+def llama_dflash_trajectory_seqs(gguf: str | Path, feats: np.ndarray | Sequence[np.ndarray],
+                                 commits: Sequence[int] | Sequence[Sequence[int]] | np.ndarray, tokens: np.ndarray,
+                                 cap: int, *, flash_attn: bool = False, threads: int = 1,
+                                 timeout: float = 600) -> np.ndarray:
+    """llama.cpp's drafter running N sequences in ONE context, every step packed as llama.cpp's
+    server packs its slots: one llama_process injects the new feature rows of all sequences, one
+    more decodes all N noise blocks (sequence 0's first) -> logits (steps, N, q_len, vocab).
+
+    `feats`: per sequence, its target features (row = position): an array (N, P, fc_in) or N
+    arrays (P_s, fc_in); `commits`: (steps,) shared by all sequences or (steps, N), each
+    sequence's committed count per step; `tokens`: (steps, N, q_len), each sequence's noise block
+    ids per step; `cap`: the window every sequence keeps. Sequence s of the result should equal
+    llama_dflash_trajectory on sequence s's data alone (the cache has one stream per sequence)."""
+    if isinstance(feats, np.ndarray) and feats.ndim == 3:
+        packed = np.ascontiguousarray(feats, dtype=np.float32)
+    else:
+        rows = [np.asarray(f, dtype=np.float32) for f in feats]
+        if not rows or any(r.ndim != 2 or r.shape[1] != rows[0].shape[1] for r in rows):
+            raise ValueError("feats: one (P, fc_in) array per sequence, all of the same fc_in")
+        packed = np.zeros((len(rows), max(r.shape[0] for r in rows), rows[0].shape[1]), dtype=np.float32)
+        for s, r in enumerate(rows):
+            packed[s, :r.shape[0]] = r
+    n_seq = packed.shape[0]
+    tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+    commits_arr = np.asarray(commits, dtype=np.int64)
+    if commits_arr.ndim == 1:
+        commits_arr = np.repeat(commits_arr[:, None], n_seq, axis=1)
+    if commits_arr.ndim != 2 or commits_arr.shape[1] != n_seq:
+        raise ValueError(f"commits: (steps,) or (steps, {n_seq}), got shape {commits_arr.shape}")
+    if tokens.ndim != 3 or tokens.shape[:2] != commits_arr.shape:
+        raise ValueError(f"tokens: (steps, N, q_len) = {commits_arr.shape + (-1,)}, got shape {tokens.shape}")
+    if commits_arr.size and commits_arr.max() > packed.shape[1]:
+        raise ValueError(f"a commit ({commits_arr.max()}) beyond the features given ({packed.shape[1]} rows)")
+    n_ctx = max(cap, 1) + tokens.shape[2] + 256  # per sequence (the child multiplies by N)
+    job = dict(mode="trajectory_seqs", gguf=str(gguf), commits=commits_arr.tolist(), cap=int(cap), n_ctx=n_ctx,
+               threads=threads, flash_attn=flash_attn)
+    _, work = _run(job, dict(feats=packed, tokens=tokens), timeout)
+    return np.load(work / "logits.npy")
+
+
 def llama_dflash_bench(gguf: str | Path, windows: list[int], *, fc_in: int, q_len: int, n_new: int = 9,
                        reps: int = 20, warmup: int = 3, flash_attn: bool = True, threads: int = 2,
-                       omp_wait_policy: str | None = None, timeout: float = 600) -> dict[int, list[float]]:
+                       omp_wait_policy: str | None = None, n_seq: int = 1,
+                       timeout: float = 600) -> dict[int, list[float]]:
     """Seconds per steady-state step (n_new context rows + one noise block with logits) per window.
+
+    `n_seq`: sequences drafted together in one llama.cpp context, as llama.cpp's server drafts
+    its n_parallel slots (one common_speculative, n_seq = n_parallel). Each measured step then
+    commits n_new new rows to EVERY sequence (one llama_process for all N*n_new feature rows) and
+    decodes all N noise blocks in one llama_process with logits for every row, reading all
+    N*q_len logit rows back and dropping the noise rows: the seconds are per PACKED step (all N
+    sequences drafted), each sequence with its own random features and noise tokens, each
+    keeping its own window W. n_seq 1 is the single-sequence step; n_seq * q_len must fit
+    llama.cpp's batch (512 rows).
 
     `omp_wait_policy`: OMP_WAIT_POLICY for llama.cpp's process ("active" / "passive"), or None for
     OpenMP's default (spin a while, then sleep), whatever this process has. llama.cpp's ggml meets
@@ -88,10 +139,12 @@ def llama_dflash_bench(gguf: str | Path, windows: list[int], *, fc_in: int, q_le
     """
     if omp_wait_policy is not None and omp_wait_policy.lower() not in ("active", "passive"):
         raise ValueError(f"omp_wait_policy must be 'active', 'passive' or None, got {omp_wait_policy!r}")
+    if isinstance(n_seq, bool) or not isinstance(n_seq, (int, np.integer)) or n_seq < 1:
+        raise ValueError(f"n_seq must be an int >= 1, got {n_seq!r}")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if omp_wait_policy is not None:
         env["OMP_WAIT_POLICY"] = omp_wait_policy.upper()
     job = dict(mode="bench", gguf=str(gguf), windows=[int(w) for w in windows], fc_in=fc_in, q_len=q_len,
-               n_new=n_new, reps=reps, warmup=warmup, flash_attn=flash_attn, threads=threads)
+               n_new=n_new, reps=reps, warmup=warmup, flash_attn=flash_attn, threads=threads, n_seq=int(n_seq))
     result, _ = _run(job, {}, timeout, env)
     return {int(w): t for w, t in result["times"].items()}

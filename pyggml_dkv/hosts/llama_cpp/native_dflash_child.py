@@ -5,7 +5,8 @@ llama_cpp.
 
     python -m pyggml_dkv.hosts.llama_cpp.native_dflash_child JOB.json
 
-JOB.json: {"mode": "meta" | "trajectory" | "bench", "gguf": path, "out": directory, ...}.
+JOB.json: {"mode": "meta" | "trajectory" | "trajectory_seqs" | "bench", "gguf": path, "out": directory, ...}
+("bench" takes an optional "n_seq": that many sequences drafted in one packed decode per step).
 Arrays come in and go out as .npy files; the summary goes to out/result.json.
 
 The drafter context works like llama.cpp's speculative driver (common/speculative.cpp, class
@@ -15,6 +16,13 @@ norm, then every layer's K/V written to the context's cache), then the noise blo
 [last, mask, ...] at positions committed.. with logits for every row. The noise rows are then
 removed from the cache (llama_memory_seq_rm). A window `cap` keeps only the last `cap`
 positions, as DraftKvCache does.
+
+Several sequences (Drafter(n_seq=N), "trajectory_seqs", "bench" with n_seq) share one context as
+llama.cpp's server shares one draft context among its slots (one common_speculative, n_seq =
+n_parallel): each step injects the new feature rows of every sequence in one llama_process (rows
+of several sequences in one batch, each sequence's rows contiguous, lowest id first) and decodes
+the noise blocks of all of them in one more (equal-width blocks, sequence 0's first), logits for
+every row. The cache has one stream per sequence (kv_unified false, llama.cpp's default).
 """
 
 from __future__ import annotations
@@ -33,17 +41,25 @@ log = logging.getLogger("pyggml_dkv.hosts.llama_cpp.native_dflash_child")
 
 
 class Drafter:
-    """One llama.cpp DFlash drafter context (sequence 0)."""
+    """One llama.cpp DFlash drafter context holding `n_seq` sequences (ids 0 .. n_seq-1).
+
+    With n_seq > 1 it drafts like llama.cpp's server (one common_speculative for all slots,
+    n_seq = n_parallel): one llama_process injects the new feature rows of every sequence, one
+    more decodes every sequence's noise block (step_seqs)."""
 
     def __init__(self, gguf: str, n_ctx: int, threads: int, flash_attn: bool, n_batch: int = 512,
-                 context: bool = True) -> None:
-        """`context` False: load the model only (a drafter without token_embd / output needs
+                 context: bool = True, n_seq: int = 1) -> None:
+        """`n_ctx`: the positions ONE sequence must hold (its window + noise block + headroom).
+        `context` False: load the model only (a drafter without token_embd / output needs
         the target's context as ctx_other to run, not to load)."""
         import llama_cpp as L
         from llama_cpp import llama_cpp_ext as LX
 
+        if n_seq < 1:
+            raise ValueError(f"n_seq must be >= 1, got {n_seq}")
         self.L = L
         self.ctx = self.batch = None
+        self.n_seq = n_seq
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(gguf.encode(), mp)
@@ -53,10 +69,20 @@ class Drafter:
         if not context:
             return
         cp = L.llama_context_default_params()
-        cp.n_ctx = n_ctx
+        # KV layout (llama.cpp src/llama-context.cpp, src/llama-kv-cache.cpp): kv_unified is false
+        # by default (llama_context_default_params) and then the cache has one STREAM per sequence
+        # (n_stream = n_seq_max), each of n_ctx_seq = GGML_PAD(GGML_PAD(n_ctx, 256) / n_seq_max, 256)
+        # cells: a sequence sees only its own stream, and a batch of several sequences is split
+        # with split_equal(sequential) into ubatches of equal-width, consecutive-id sequence blocks.
+        # So n_ctx is the per-sequence need (padded to 256, as llama.cpp pads it anyway) times
+        # n_seq, as llama.cpp's server sizes a draft context (n_ctx_seq * n_parallel); with n_seq
+        # 1 this is exactly the context of before. (kv_unified true would instead give one stream
+        # of n_ctx cells shared by all sequences, masked per sequence.)
+        cp.n_ctx = -(-max(n_ctx, 1) // 256) * 256 * n_seq
         cp.n_batch = n_batch
         cp.n_ubatch = n_batch
-        cp.n_seq_max = 1
+        cp.n_seq_max = n_seq
+        cp.kv_unified = False
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -68,8 +94,9 @@ class Drafter:
         self.batch = L.llama_batch_ext_init(self.ctx)
         self.mem = L.llama_get_memory(self.ctx)
         self.n_batch = n_batch
-        self.next_pos = 0  # positions [held_from, next_pos) are in the cache
-        self.held_from = 0
+        # per sequence: positions [held_from[s], next_pos[s]) are in the cache
+        self.next_pos = [0] * n_seq
+        self.held_from = [0] * n_seq
 
     def _pos(self, idx: int, p: int) -> None:
         pos = (ctypes.c_int32 * 4)(p, p, p, 0)
@@ -81,62 +108,115 @@ class Drafter:
         if rc != 0:
             raise RuntimeError(f"llama_process returned {rc}")
 
-    def inject(self, feats: np.ndarray, start: int) -> None:
-        """Target features of positions start, start+1, ... into the drafter's K/V cache."""
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq:
+            raise ValueError(f"sequence {seq} out of range (n_seq {self.n_seq})")
+
+    def inject(self, feats: np.ndarray, start: int, seq: int = 0) -> None:
+        """Target features of positions start, start+1, ... into sequence `seq`'s K/V cache."""
+        self.inject_seqs([(seq, feats, start)])
+
+    def inject_seqs(self, rows: list[tuple[int, np.ndarray, int]]) -> None:
+        """(seq, feats, start) per sequence, in increasing seq order: every sequence's rows in one
+        embedding batch (one llama_process while they fit n_batch rows, else one per n_batch rows),
+        each sequence's rows contiguous, as llama.cpp's split_equal wants them."""
         L = self.L
-        feats = np.ascontiguousarray(feats, dtype=np.float32)
-        fc_in = feats.shape[1]
-        for s in range(0, feats.shape[0], self.n_batch):
-            L.llama_batch_ext_clear(self.batch)
-            for i in range(s, min(feats.shape[0], s + self.n_batch)):
+        n = 0
+        L.llama_batch_ext_clear(self.batch)
+        for seq, feats, start in rows:
+            self._check_seq(seq)
+            feats = np.ascontiguousarray(feats, dtype=np.float32)
+            fc_in = feats.shape[1]
+            for i in range(feats.shape[0]):
+                if n == self.n_batch:
+                    self._process()
+                    L.llama_batch_ext_clear(self.batch)
+                    n = 0
                 row = feats[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-                idx = L.llama_batch_ext_add_embd(self.batch, 0, L.llama_embd(row, 1, fc_in))
+                idx = L.llama_batch_ext_add_embd(self.batch, seq, L.llama_embd(row, 1, fc_in))
                 if idx < 0:
                     raise RuntimeError(f"llama_batch_ext_add_embd returned {idx}")
                 self._pos(idx, start + i)
                 L.llama_batch_ext_set_output_logits(self.batch, idx, False)
+                n += 1
+        if n:
             self._process()
 
-    def forget(self, p0: int, p1: int = -1) -> None:
-        """Drop positions [p0, p1) (p1 -1: to the end) from the cache."""
-        if not self.L.llama_memory_seq_rm(self.mem, 0, p0, p1):
-            raise RuntimeError(f"llama_memory_seq_rm({p0}, {p1}) failed")
+    def forget(self, seq: int, p0: int, p1: int = -1) -> None:
+        """Drop positions [p0, p1) (p1 -1: to the end) from sequence `seq`'s cache."""
+        self._check_seq(seq)
+        if not self.L.llama_memory_seq_rm(self.mem, seq, p0, p1):
+            raise RuntimeError(f"llama_memory_seq_rm({seq}, {p0}, {p1}) failed")
 
-    def noise_logits(self, tokens: np.ndarray, committed: int) -> np.ndarray:
+    def noise_logits(self, tokens: np.ndarray, committed: int, seq: int = 0) -> np.ndarray:
         """The noise block at positions committed.. -> logits (q_len, vocab); leaves no trace."""
+        return self.noise_logits_seqs([(seq, tokens, committed)])[0]
+
+    def noise_logits_seqs(self, blocks: list[tuple[int, np.ndarray, int]]) -> np.ndarray:
+        """(seq, tokens, committed) per sequence, in increasing seq order, blocks of equal width:
+        one decode of all the noise blocks (sequence 0's block first, then 1's, ...; llama.cpp's
+        split_equal takes equal-width blocks of consecutive sequence ids), logits for every row ->
+        (n_blocks, q_len, vocab); then each sequence's noise rows leave its cache."""
         L = self.L
+        q_len = len(blocks[0][1])
+        if any(len(t) != q_len for _, t, _ in blocks):
+            raise ValueError("the noise blocks of a packed decode must be of equal width")
+        if len(blocks) * q_len > self.n_batch:
+            raise ValueError(f"{len(blocks)} blocks of {q_len} exceed n_batch {self.n_batch}")
         L.llama_batch_ext_clear(self.batch)
-        for j, tok in enumerate(tokens):
-            idx = L.llama_batch_ext_add_token(self.batch, 0, int(tok))
-            if idx < 0:
-                raise RuntimeError(f"llama_batch_ext_add_token returned {idx}")
-            self._pos(idx, committed + j)
-            L.llama_batch_ext_set_output_logits(self.batch, idx, True)
+        for seq, tokens, committed in blocks:
+            self._check_seq(seq)
+            for j, tok in enumerate(tokens):
+                idx = L.llama_batch_ext_add_token(self.batch, seq, int(tok))
+                if idx < 0:
+                    raise RuntimeError(f"llama_batch_ext_add_token returned {idx}")
+                self._pos(idx, committed + j)
+                L.llama_batch_ext_set_output_logits(self.batch, idx, True)
         self._process()
-        out = np.empty((len(tokens), self.n_vocab), dtype=np.float32)
-        for j in range(len(tokens)):
-            ptr = L.llama_get_logits_ith(self.ctx, j)
-            out[j] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
-        self.forget(committed)
+        out = np.empty((len(blocks), q_len, self.n_vocab), dtype=np.float32)
+        for b in range(len(blocks)):
+            for j in range(q_len):
+                ptr = L.llama_get_logits_ith(self.ctx, b * q_len + j)
+                out[b, j] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        for seq, _, committed in blocks:
+            self.forget(seq, committed)
         return out
 
-    def step(self, feats: np.ndarray, committed: int, tokens: np.ndarray, cap: int) -> np.ndarray:
-        """Bring the cache to `committed` (rewinds drop later positions), keep the last `cap`
-        positions, then draft. `feats`: all target features, row = position."""
-        if self.next_pos > committed:
-            self.forget(committed)
-            self.next_pos = committed
+    def _sync(self, seq: int, committed: int, cap: int) -> int:
+        """Bring sequence `seq`'s cache to `committed` (rewinds drop later positions) and keep its
+        last `cap` positions; returns the first position whose features must be injected."""
+        if self.next_pos[seq] > committed:
+            self.forget(seq, committed)
+            self.next_pos[seq] = committed
         lo = max(0, committed - cap)
-        if lo < self.held_from:  # a rewind reaches below what the window already dropped: refill it
-            self.forget(0)
-            self.next_pos = lo
-        start = max(self.next_pos, lo)
-        self.forget(0, lo)
-        self.held_from = lo
-        if committed > start:
-            self.inject(feats[start:committed], start)
-        self.next_pos = committed
-        return self.noise_logits(tokens, committed)
+        if lo < self.held_from[seq]:  # a rewind reaches below what the window already dropped: refill it
+            self.forget(seq, 0)
+            self.next_pos[seq] = lo
+        start = max(self.next_pos[seq], lo)
+        self.forget(seq, 0, lo)
+        self.held_from[seq] = lo
+        return start
+
+    def step(self, feats: np.ndarray, committed: int, tokens: np.ndarray, cap: int) -> np.ndarray:
+        """Sequence 0: bring the cache to `committed` (rewinds drop later positions), keep the
+        last `cap` positions, then draft. `feats`: all target features, row = position."""
+        return self.step_seqs([feats], [committed], [tokens], cap)[0]
+
+    def step_seqs(self, feats: list[np.ndarray], committed: list[int], tokens: list[np.ndarray],
+                  cap: int) -> np.ndarray:
+        """Sequences 0 .. len(feats)-1 at once: each brought to its `committed[s]` with its last
+        `cap` positions kept, ONE llama_process for the new feature rows of every sequence, ONE for
+        the noise blocks of all of them -> logits (n, q_len, vocab)."""
+        rows, blocks = [], []
+        for s, (f, c, t) in enumerate(zip(feats, committed, tokens)):
+            start = self._sync(s, c, cap)
+            if c > start:
+                rows.append((s, f[start:c], start))
+            self.next_pos[s] = c
+            blocks.append((s, t, c))
+        if rows:
+            self.inject_seqs(rows)
+        return self.noise_logits_seqs(blocks)
 
     def meta(self) -> dict[str, Any]:
         L = self.L
@@ -189,29 +269,50 @@ def run_trajectory(job: dict[str, Any], out: Path) -> dict[str, Any]:
     return dict(steps=len(commits))
 
 
+def run_trajectory_seqs(job: dict[str, Any], out: Path) -> dict[str, Any]:
+    """N sequences in one context, every step packed: feats (N, P, fc_in), commits (steps, N),
+    tokens (steps, N, q_len) -> logits (steps, N, q_len, vocab)."""
+    feats = np.load(job["feats"])
+    tokens = np.load(job["tokens"])
+    commits = np.asarray(job["commits"], dtype=np.int64)
+    n_seq = feats.shape[0]
+    d = Drafter(job["gguf"], job["n_ctx"], job["threads"], job["flash_attn"], n_seq=n_seq)
+    try:
+        logits = np.stack([d.step_seqs(list(feats), [int(c) for c in commits[k]], list(tokens[k]), job["cap"])
+                           for k in range(commits.shape[0])])
+    finally:
+        d.close()
+    np.save(out / "logits.npy", logits)
+    return dict(steps=int(commits.shape[0]), n_seq=n_seq)
+
+
 def run_bench(job: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Steady state at each window W: `n_new` new context rows + one noise block with logits per step."""
+    """Steady state at each window W with `n_seq` sequences (default 1) in one context: each step
+    commits `n_new` new context rows to EVERY sequence and drafts every sequence's noise block
+    with logits (step_seqs: one packed inject, one packed noise decode, all logits read back).
+    Each sequence has its own random features and noise tokens. Seconds per (packed) step."""
     fc_in, q_len, n_new, reps = job["fc_in"], job["q_len"], job["n_new"], job["reps"]
+    n_seq = int(job.get("n_seq", 1))
     rng = np.random.default_rng(0)
     results = {}
     for W in job["windows"]:
-        d = Drafter(job["gguf"], W + 2 * q_len + n_new + 256, job["threads"], job["flash_attn"])
+        d = Drafter(job["gguf"], W + 2 * q_len + n_new + 256, job["threads"], job["flash_attn"], n_seq=n_seq)
         try:
             total = W + (reps + job["warmup"]) * n_new
-            feats = rng.standard_normal((total, fc_in), dtype=np.float32)
-            tokens = rng.integers(0, d.n_vocab, size=q_len).astype(np.int32)
-            d.step(feats, W, tokens, W)  # prefill the window
+            feats = list(rng.standard_normal((n_seq, total, fc_in), dtype=np.float32))
+            tokens = list(rng.integers(0, d.n_vocab, size=(n_seq, q_len)).astype(np.int32))
+            d.step_seqs(feats, [W] * n_seq, tokens, W)  # prefill the windows
             times = []
             for k in range(job["warmup"] + reps):
                 committed = W + (k + 1) * n_new
                 t0 = time.perf_counter()
-                d.step(feats, committed, tokens, W)
+                d.step_seqs(feats, [committed] * n_seq, tokens, W)
                 if k >= job["warmup"]:
                     times.append(time.perf_counter() - t0)
         finally:
             d.close()
         results[str(W)] = times
-    return dict(times=results)
+    return dict(times=results, n_seq=n_seq)
 
 
 def main() -> None:
@@ -226,6 +327,8 @@ def main() -> None:
             d.close()
     elif job["mode"] == "trajectory":
         result = run_trajectory(job, out)
+    elif job["mode"] == "trajectory_seqs":
+        result = run_trajectory_seqs(job, out)
     elif job["mode"] == "bench":
         result = run_bench(job, out)
     else:
