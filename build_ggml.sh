@@ -125,7 +125,9 @@ if [ "${GGML_SANITIZE:-}" = address ]; then
 fi
 
 if [ "${GGML_RPC:-1}" = 1 ]; then
-    CMAKE_ARGS+=(-DGGML_RPC=ON)
+    # RDMA off: ggml turns it on wherever it finds libibverbs, and the extension would then need
+    # -libverbs at link and load time (seen on the GPU machine); our RPC client speaks TCP
+    CMAKE_ARGS+=(-DGGML_RPC=ON -DGGML_RPC_RDMA=OFF)
     VARIANT="$VARIANT-rpc"
 fi
 

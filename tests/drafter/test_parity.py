@@ -61,7 +61,8 @@ def trajectory(rng: np.random.Generator, cap: int, q_len: int, n_steps: int) -> 
 
 
 def run_trajectory(cfg: DraftConfig, cap: int, weight_type: str, cache_type: str, swa: str,
-                   with_logits: bool, n_steps: int, seed: int, cpu, parity_log, case: str) -> None:
+                   with_logits: bool, n_steps: int, seed: int, cpu, parity_log, case: str,
+                   tol: float | None = None) -> None:
     rng = np.random.default_rng(seed)
     w = DraftWeights.random(cfg, seed=seed)
     commits = trajectory(rng, cap, cfg.block_size, n_steps)
@@ -70,7 +71,7 @@ def run_trajectory(cfg: DraftConfig, cap: int, weight_type: str, cache_type: str
     ring = FeatureRing(cap + 3 * cfg.block_size, cfg.fc_in)
     vocab = 96
     lm_head = (rng.standard_normal((vocab, cfg.hidden)) / np.sqrt(cfg.hidden)).astype(np.float32) if with_logits else None
-    tol = TOL[cache_type]
+    tol = TOL[cache_type] if tol is None else tol
     worst = {"cache-vs-reference": 0.0, "cache-vs-oneshot": 0.0}
     with cpu_weights(w, cpu, weight_type) as bw, \
             DraftKvCache(bw, cpu, cap, lm_head=lm_head, cache_type=cache_type, swa=swa) as cache, \
