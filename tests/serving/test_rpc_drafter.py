@@ -234,3 +234,54 @@ def test_inputs_written_directly_between_steps_are_not_lost(cpu, shared_server):
         over_rpc = run(remote)
     local = run(cpu)
     assert all(np.array_equal(x, y) for x, y in zip(local, over_rpc))
+
+
+@pytest.mark.parametrize("swa", ["seed", "per_row"])
+def test_lanes_over_rpc_are_bit_identical_to_local_lanes(cpu, shared_server, swa):
+    """Lanes on an RPC server (split masks: a context row and a base per lane plane; each lane's
+    inputs uploaded through its own views): bit for bit the local CPU's lanes, with lanes idling,
+    rewinding and resetting on the way."""
+    cfg = DraftConfig(hidden=64, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=96, block_size=4,
+                      n_target_layers=2, layer_types=["full", "sliding"], swa_window=6)
+    w = DraftWeights.random(cfg, seed=4)
+    rng = np.random.default_rng(5)
+    feats = [rng.standard_normal((300, cfg.fc_in)).astype(np.float32) * 10.0 ** (lane - 1) for lane in range(3)]
+    plan = []  # (active lanes, committed per lane, noise per lane, lane to reset or None)
+    committed = [0, 0, 0]
+    for step in range(40):
+        active = [bool(rng.random() < 0.7) for _ in range(3)]
+        active[step % 3] = True
+        for lane in range(3):
+            if active[lane]:
+                back = step % 7 == 6 and committed[lane] > 10
+                committed[lane] = committed[lane] - 3 if back else committed[lane] + int(rng.integers(1, 9))
+        noise = [rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32) for _ in range(3)]
+        plan.append((active, list(committed), noise, 1 if step == 20 else None))
+
+    def run_lanes(backend: Backend) -> list:
+        outs = []
+        rings = [FeatureRing(2 * CAP, cfg.fc_in) for _ in range(3)]
+        with w.to_backend(backend, "f16", repack=False) as bw, \
+                DraftKvCache(bw, backend, CAP, cache_type="f16", swa=swa, lanes=3) as c:
+            for active, com, noise, reset in plan:
+                if reset is not None:
+                    c.reset(reset)
+                for lane in range(3):
+                    if active[lane]:
+                        rings[lane].write(min(rings[lane].written, com[lane]),
+                                          feats[lane][min(rings[lane].written, com[lane]):com[lane]])
+                got = c.step([r if a else None for r, a in zip(rings, active)],
+                             [x if a else None for x, a in zip(com, active)],
+                             [n if a else None for n, a in zip(noise, active)])
+                outs.append([None if g is None else g.copy() for g in got])
+            split = sorted(c.memory.mask_parts)
+        return outs, split
+
+    local, split_local = run_lanes(cpu)
+    with Backend(shared_server.spec) as remote:
+        over_rpc, split_remote = run_lanes(remote)
+    assert split_local == [] and split_remote  # over RPC the masks travel split
+    for step, (a, b) in enumerate(zip(local, over_rpc)):
+        for lane in range(3):
+            assert (a[lane] is None) == (b[lane] is None)
+            assert a[lane] is None or np.array_equal(a[lane], b[lane]), f"step {step} lane {lane} differs"
