@@ -111,7 +111,10 @@ class Ours:
         self.rng = np.random.default_rng(1)
 
     def _cache(self, cap: int, lanes: int = 1) -> DraftKvCache:
-        return DraftKvCache(self.bw, self.backend, cap, lm_head=self.head, embed_tokens=self.emb, lanes=lanes)
+        # without lanes=1 spelled out, a single-lane run also times a package from before lanes
+        # (PYTHONPATH=<old checkout>: the A/B of benchmarks/README.md, "Lanes")
+        more = {"lanes": lanes} if lanes > 1 else {}
+        return DraftKvCache(self.bw, self.backend, cap, lm_head=self.head, embed_tokens=self.emb, **more)
 
     def run(self, W: int, n: int, n_new: int, reps: int, warmup: int) -> dict[str, list[float]]:
         """Seconds per packed step of n requests at window W: lanes, lanes_ids, singles."""
@@ -123,28 +126,64 @@ class Ours:
         with self._cache(W, n) as multi:
             singles = [self._cache(W) for _ in range(n)]
             try:
-                committed = W
                 multi.step_tokens([ring] * n, [W] * n, [self.tokens] * n, output="logits") if n > 1 else \
                     multi.step_tokens(ring, W, self.tokens, output="logits")
                 for c in singles:
                     c.step_tokens(ring, W, self.tokens, output="logits")
+                # every cache advances n_new rows at each of its own steps (the multi-lane cache
+                # serves two systems): each step folds in the same rows whatever ran before it
+                committed = {"multi": W, "singles": W}
                 for k in range(warmup + reps):
                     for name in ("lanes", "lanes_ids", "singles"):
-                        committed += n_new
+                        which = "singles" if name == "singles" else "multi"
+                        committed[which] += n_new
+                        pos = committed[which]
                         t0 = time.perf_counter()
                         if name == "singles":
                             for c in singles:
-                                c.step_tokens(ring, committed, self.tokens, output="logits")
+                                c.step_tokens(ring, pos, self.tokens, output="logits")
                         elif n == 1:
-                            multi.step_tokens(ring, committed, self.tokens, output="ids" if name == "lanes_ids" else "logits")
+                            multi.step_tokens(ring, pos, self.tokens, output="ids" if name == "lanes_ids" else "logits")
                         else:
-                            multi.step_tokens([ring] * n, [committed] * n, [self.tokens] * n,
+                            multi.step_tokens([ring] * n, [pos] * n, [self.tokens] * n,
                                               output="ids" if name == "lanes_ids" else "logits")
                         if k >= warmup:
                             samples[name].append(time.perf_counter() - t0)
             finally:
                 for c in singles:
                     c.close()
+        return samples
+
+    def idle(self, W: int, n: int, n_new: int, reps: int, warmup: int) -> dict[str, list[float]]:
+        """What idle lanes cost: an n-lane cache stepping a few active lanes (the others idle)
+        against one single-lane step per active lane, at window W."""
+        sets = {"lane 0": [0], f"lanes 0-{n // 2 - 1}": list(range(n // 2)), f"lane {n - 1}": [n - 1],
+                f"lanes 0, {n - 1}": [0, n - 1]}
+        n_pos = W + (reps + warmup + 1) * n_new * len(sets) + 1
+        ring = FeatureRing(n_pos, self.g.cfg.fc_in)
+        ring.append(self.rng.standard_normal((n_pos, self.g.cfg.fc_in), dtype=np.float32))
+        samples: dict[str, list[float]] = {name: [] for name in [*sets, "one single-lane step"]}
+        with self._cache(W, n) as multi, self._cache(W) as single:
+            multi.step_tokens([ring] * n, [W] * n, [self.tokens] * n, output="logits")
+            single.step_tokens(ring, W, self.tokens, output="logits")
+            # each lane (and the single cache) advances n_new rows at each of its own steps
+            committed = [W] * n
+            single_at = W
+            for k in range(warmup + reps):
+                for name in samples:
+                    t0 = time.perf_counter()
+                    if name in sets:
+                        act = sets[name]
+                        for i in act:
+                            committed[i] += n_new
+                        multi.step_tokens([ring if i in act else None for i in range(n)],
+                                          [committed[i] if i in act else None for i in range(n)],
+                                          [self.tokens if i in act else None for i in range(n)], output="logits")
+                    else:
+                        single_at += n_new
+                        single.step_tokens(ring, single_at, self.tokens, output="logits")
+                    if k >= warmup:
+                        samples[name].append(time.perf_counter() - t0)
         return samples
 
     def close(self) -> None:
@@ -175,6 +214,22 @@ def report(results: dict, args: argparse.Namespace) -> None:
     print(f"\ngoals: lanes / best llama.cpp <= {GOAL_VS_LLAMA} at every N and window; lanes / singles < 1 for N >= 2")
 
 
+def report_idle(results: dict, args: argparse.Namespace) -> None:
+    print(f"\nIdle lanes: a {args.idle}-lane cache stepping some lanes, the others idle, against one single-lane "
+          f"step (CPU: {results['cpu']}, {args.threads} threads; median ms, and per active lane / one single step)")
+    for drafter, runs in results["runs"].items():
+        print(f"\n{drafter} drafter, weights {args.dtype}")
+        for W, res in runs.items():
+            one = res["one single-lane step"]["median_ms"]
+            cells = []
+            for name, st in res.items():
+                if name == "one single-lane step":
+                    continue
+                n_active = 2 if "," in name else (int(name.split("-")[1]) + 1 if "-" in name else 1)
+                cells.append(f"{name}: {st['median_ms']:.2f} ({st['median_ms'] / n_active / one:.2f})")
+            print(f"W {W:>5}: one single-lane step {one:.2f} | " + " | ".join(cells))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafters", default="small,smollm2")
@@ -188,6 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", default="cpu", help="our side's backend: cpu, cuda:0, ... (llama.cpp runs on the CPU)")
     ap.add_argument("--no-llama", action="store_true", help="our side only")
+    ap.add_argument("--idle", type=int, default=0, metavar="N",
+                    help="instead: what idle lanes cost in an N-lane cache (our side only)")
     ap.add_argument("--omp-wait-policy", choices=("default", "active", "passive"), default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -200,7 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = parse_args(argv)
-    use_llama = not args.no_llama
+    use_llama = not args.no_llama and not args.idle
     if use_llama and not llama_cpp_available():
         raise SystemExit("llama-cpp-python is not installed (pip install pyggml_dkv[llama]); or pass --no-llama")
     results: dict = {"cpu": cpu_name(), "threads": args.threads, "n_new": args.n_new, "dtype": args.dtype,
@@ -220,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
                                  + ", ".join(f"random-{c}" for c in CONFIGS) + ")")
             samples: dict[str, dict[str, list[float]]] = {}
             try:
-                for r in range(args.rounds):
+                for r in range(args.rounds if not args.idle else 0):
                     for n in args.lanes:
                         for W in args.windows:
                             for name, t in ours.run(W, n, args.n_new, per_round, args.warmup).items():
@@ -235,10 +292,17 @@ def main(argv: list[str] | None = None) -> None:
                         log.info("%s round %d/%d, %d lanes: %s", drafter, r + 1, args.rounds, n,
                                  {k: {s: round(1e3 * float(np.median(t)), 1) for s, t in v.items()}
                                   for k, v in samples.items() if k.startswith(f"{n}x")})
+                for r in range(args.rounds if args.idle else 0):
+                    for W in args.windows:
+                        for name, t in ours.idle(W, args.idle, args.n_new, per_round, args.warmup).items():
+                            samples.setdefault(str(W), {}).setdefault(name, []).extend(t)
             finally:
                 ours.close()
             results["runs"][drafter] = {k: {s: stats(t) for s, t in v.items()} for k, v in samples.items()}
-    report(results, args)
+    if args.idle:
+        report_idle(results, args)
+    else:
+        report(results, args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

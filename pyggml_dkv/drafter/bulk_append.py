@@ -53,3 +53,19 @@ def bulk_append(weights: BackendWeights, backend: Backend, k_cache: list[Tensor]
                 with Gallocr(backend) as galloc:
                     galloc.alloc_graph(graph)
                     graph.compute(backend)
+
+
+def copy_lane_rows(backend: Backend, caches: list[Tensor], rows: int, src_row: int, dst_row: int) -> None:
+    """Copy rows [src_row, src_row + rows) of every K/V cache onto rows [dst_row, ...), on the
+    device, with one temporary graph freed afterwards (DraftKvCache.move_lane)."""
+    size = 4 * len(caches) + 16
+    with Context(n_tensors=size, graph_size=size) as g:
+        graph = Graph(g, size)
+        for cache in caches:
+            row_bytes = cache.nb[1]
+            src = g.view(cache, (cache.ne[0], rows), (row_bytes,), src_row * row_bytes)
+            dst = g.view(cache, (cache.ne[0], rows), (row_bytes,), dst_row * row_bytes)
+            graph.expand(g.cpy(src, dst))
+        with Gallocr(backend) as galloc:
+            galloc.alloc_graph(graph)
+            graph.compute(backend)

@@ -28,35 +28,15 @@ from ..model.backend_weights import BackendWeights
 from ..model.config import DraftConfig
 from . import layers as L
 from .args import MAX_LANES, check_drafter_args, check_noise_embed, check_token_ids, vocab_matrix
-from .bulk_append import bulk_append
-from .features import FeatureRing, RingWatch, check_window
+from .bulk_append import bulk_append, copy_lane_rows
+from .features import FeatureRing, check_window
 from .head_screen import LM_HEAD_SCREENS, HeadScreen
 from .masks import StepMasks
-from .slots import SlotBook
+from .slots import LaneState, SlotBook
 from .step_graph import BuiltStepGraph, CacheMemory, Geometry, build_step_graph
 from .step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
-
-
-class LaneState:
-    """One lane's host bookkeeping: which position each of its slots holds, what its last
-    fold-in left pending, and what its ring dropped since its last step."""
-
-    def __init__(self, cap: int) -> None:
-        self.slots = SlotBook(cap)
-        self.pending: np.ndarray | None = None  # fold-in positions filled in but not yet computed
-        self.ring = RingWatch()
-        self.begun = False  # begun for the next compute
-
-    def forget_pending(self) -> None:
-        if self.pending is not None:  # the last fold-in was never computed: its slots hold no known rows
-            self.slots.forget(self.pending)
-            self.pending = None
-
-    def rewind(self, pos: int) -> None:
-        self.forget_pending()
-        self.slots.rewind(pos)
 
 
 class DraftKvCache:
@@ -123,6 +103,7 @@ class DraftKvCache:
             # ids, and a second set the logits (logit_graphs)
             self.graphs = self._build_graphs(self.head_screen)
             self.logit_graphs = self._build_graphs(None) if self.head_screen is not None else self.graphs
+            self._built_of = {id(b.graph): b for graphs in (self.graphs, self.logit_graphs) for b in graphs.values()}
         except BaseException:
             self.close()
             raise
@@ -137,6 +118,7 @@ class DraftKvCache:
         self._token_writers = [TensorWriter(v.noise) for v in views] if self.inp_tokens is not None else []
         self.ap_feat, self.ap_pos, self.ap_rows = mem.ap_feat, mem.ap_pos, mem.ap_rows
         self._widest = geo.graph_keys()[-1]
+        self._single_lane_graphs = [(1, geo.bucket_for(n)) for n in range(geo.a_step + 1)]
         built = self.graphs[self._widest]  # the graph every begin_step's inputs fit (the C-style API's)
         self.g_ctx, self.gf, self.galloc = built.ctx, built.graph, built.galloc
         self._bucket = self._widest  # what compute() runs next: the smallest graph for the begun lanes' rows
@@ -252,13 +234,33 @@ class DraftKvCache:
             check_int("pos", pos, 0)
             self._lane(0 if lane is None else lane).rewind(pos)
 
+    def move_lane(self, src: int, dst: int) -> None:
+        """Move request `src`'s cached rows to lane `dst` (whatever dst held is dropped; src is
+        left empty): one device copy of src's ring rows, no refold. A host that keeps its active
+        requests in the lowest lanes (say, moving its highest lane into the hole a leaving request
+        left) steps the graph of the fewest lanes (docs/design.md, "Lanes")."""
+        with self._exclusive("move lanes from that thread"):
+            self._check_usable()
+            state, target = self._lane(src), self._lane(dst)
+            if int(src) == int(dst):
+                raise ValueError(f"move_lane: src and dst are both lane {src}")
+            if self._step_open:
+                raise GGMLError("move_lane between begin_step and compute: compute (or step) first")
+            state.forget_pending()
+            target.slots.clear()
+            if (state.slots.slot_pos >= 0).any():
+                copy_lane_rows(self.backend, [*self.k_cache, *self.v_cache], self.cap,
+                               int(src) * self.kv_total, int(dst) * self.kv_total)
+            # the bookkeeping of the rows moves with them; dst's masks and noise inputs are its
+            # own device planes (rewritten at its next step), so they stay
+            self._lanes[int(dst)], self._lanes[int(src)] = state, LaneState(self.cap)
+
     def _fold_in_computed(self, graph: Any) -> None:
-        self._computed = next(b for graphs in (self.graphs, self.logit_graphs) for b in graphs.values()
-                              if b.graph is graph)
+        self._computed = self._built_of[id(graph)]
         for state in self._lanes:
-            if state.begun and state.pending is not None:
-                state.pending = None  # written, if this graph folded in its rows (see begin_step)
-            state.begun = False
+            if state.begun:
+                state.pending = None  # written: the graph computed takes every begun lane's rows
+                state.begun = False
         self._step_open = False
 
     # the outputs of the step graph computed last (the smallest one that took the step's rows)
@@ -338,6 +340,8 @@ class DraftKvCache:
 
     def _graph_for_begun(self) -> tuple[int, int]:
         """The smallest graph that computes every begun lane and takes their packed fold-in rows."""
+        if self.lanes == 1:  # a table: a single-lane step pays no more host time than before lanes
+            return self._single_lane_graphs[self._inputs.n_fold]
         highest = max((i for i, s in enumerate(self._lanes) if s.begun), default=0)
         n = self.geometry.lanes_for(highest)
         return n, self.geometry.bucket_for(self._inputs.n_fold, n)
@@ -394,13 +398,14 @@ class DraftKvCache:
             raise ValueError("no active lane: every lane's entries are None")
         return active
 
-    def _begin_lanes(self, active: list[tuple[int, FeatureRing, int, Any]], write_noise: Any) -> None:
-        """Begin the active lanes, write their noise, and make the idle lanes the graph computes idle."""
+    def _begin_lanes(self, active: list[tuple[int, FeatureRing, int, Any]], writers: list[Any], write: str) -> None:
+        """Begin the active lanes, write their noise (`writers[lane].<write>(block)`), and make
+        the idle lanes the graph computes idle."""
         if self._step_open:
             self._restart_step()  # begin_step calls left unfinished: this step replaces them
         for lane, ring, pos, blk in active:
             self._begin_lane(lane, self._lanes[lane], ring, pos)
-            write_noise(lane, blk)
+            getattr(writers[lane], write)(blk)
         self._bucket = self._graph_for_begun()
         if self.lanes > 1:
             for lane in range(self._bucket[0]):
@@ -428,8 +433,7 @@ class DraftKvCache:
                 raise GGMLError("this cache takes token ids (it was built with embed_tokens): use step_tokens()")
             active = self._lane_args(rings, committed, noise_embed, "noise_embed")
             checked = [(lane, ring, pos, check_noise_embed(blk, self.q_len, self.cfg.hidden)) for lane, ring, pos, blk in active]
-            uploads = self._embed_uploads
-            self._begin_lanes(checked, lambda lane, emb: uploads[lane].upload(emb))
+            self._begin_lanes(checked, self._embed_uploads, "upload")
             tensor, out = self._output_in_new_array("hidden_states" if self.lm_head is None else "logits", logits=True)
             self.compute(logits=True)
             return self._split_lanes(tensor.numpy() if out is None else out, checked)
@@ -453,8 +457,7 @@ class DraftKvCache:
                     checked.append((lane, ring, pos, check_token_ids(blk, self.q_len, vocab)))
                 except ValueError as e:
                     raise ValueError(f"lane {lane}: {e}" if self.lanes > 1 else str(e)) from None
-            writers = self._token_writers
-            self._begin_lanes(checked, lambda lane, ids: writers[lane].write(ids))
+            self._begin_lanes(checked, self._token_writers, "write")
             name = {"ids": "draft_ids", "logits": "logits", "hidden": "hidden_states"}[output]
             tensor, out = self._output_in_new_array(name, logits=output == "logits")
             self.compute(logits=output == "logits")

@@ -159,6 +159,17 @@ class Drafter:
         ids[0] = last_token
         return self.embed_tokens[ids].astype(np.float32) * np.float32(self.cfg.input_embedding_scale)
 
+    def move_lane(self, src: int, dst: int) -> None:
+        """Move request `src` (its features and cached rows) to lane `dst`, dropping what dst
+        held; src is left empty. Keeping the active requests in the lowest lanes keeps each
+        step's graph small (DraftKvCache.move_lane)."""
+        self._ring_of(src)
+        self._ring_of(dst)
+        self.cache.move_lane(src, dst)
+        self.rings[int(dst)], self.rings[int(src)] = self.rings[int(src)], self.rings[int(dst)]
+        self.rings[int(src)].clear()
+        self.ring = self.rings[0]
+
     def _check_sampling(self, temperature: Any, top_k: Any, top_p: Any) -> None:
         if not is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")

@@ -1,4 +1,5 @@
-"""SlotBook: which absolute position each ring slot of the K/V caches holds.
+"""SlotBook: which absolute position each ring slot of the K/V caches holds; LaneState: one
+lane's host bookkeeping (its SlotBook, pending fold-in, and watch on its feature ring).
 
 Pure numpy host bookkeeping, no ggml: position p lives in slot p % cap. `slot_pos[s]` is the
 position whose K/V slot s holds (-1: nothing valid), and it is the only source of truth, so
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..common.checks import check_int
+from .features import RingWatch
 
 
 class SlotBook:
@@ -51,3 +53,23 @@ class SlotBook:
     def live(self, lo: int, committed: int) -> np.ndarray:
         """bool (cap,): slots holding a position of the window [lo, committed)."""
         return (self.slot_pos >= lo) & (self.slot_pos < committed)
+
+
+class LaneState:
+    """One lane's host bookkeeping: which position each of its slots holds, what its last
+    fold-in left pending, and what its ring dropped since its last step."""
+
+    def __init__(self, cap: int) -> None:
+        self.slots = SlotBook(cap)
+        self.pending: np.ndarray | None = None  # fold-in positions filled in but not yet computed
+        self.ring = RingWatch()
+        self.begun = False  # begun for the next compute
+
+    def forget_pending(self) -> None:
+        if self.pending is not None:  # the last fold-in was never computed: its slots hold no known rows
+            self.slots.forget(self.pending)
+            self.pending = None
+
+    def rewind(self, pos: int) -> None:
+        self.forget_pending()
+        self.slots.rewind(pos)

@@ -457,3 +457,52 @@ def test_bad_lane_input_is_refused_before_any_state_changes(gqa, cpu):
         c.reset(0)
     with pytest.raises(ValueError, match="lanes must be"):
         DraftKvCache(bw, cpu, 19, lanes=0)
+
+
+def test_move_lane_keeps_a_request_without_refolding(gqa, cpu):
+    """A request leaves lane 1; the request on lane 3 moves into it: its rows move on the device
+    (no refold), it steps as its single-lane twin, and lanes {0, 1} now compute a 2-lane graph."""
+    cfg, _, bw = gqa
+    rings = _rings(cfg, 4, n=40, seed=6)
+    rng = np.random.default_rng(7)
+    noise = [rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32) for _ in range(4)]
+    with DraftKvCache(bw, cpu, 19, cache_type="f32", lanes=4) as c, DraftKvCache(bw, cpu, 19, cache_type="f32") as twin:
+        c.step(rings, [30, 31, 32, 33], noise)
+        twin.step(rings[3], 33, noise[3])
+        slots_before = c.lane_slot_pos(3).copy()
+        c.reset(1)
+        c.move_lane(3, 1)
+        assert (c.lane_slot_pos(1) == slots_before).all() and c.lane_next_pos(1) == 33
+        assert c.lane_next_pos(3) == 0 and (c.lane_slot_pos(3) == -1).all()
+        got = c.step([rings[0], rings[3], None, None], [31, 35, None, None], [noise[0], noise[1], None, None])
+        assert c._computed.n_lanes == 2
+        assert relative_error(got[1], twin.step(rings[3], 35, noise[1])) <= TOL
+        assert (c.lane_slot_pos(1) == twin.slot_pos).all()
+        with pytest.raises(ValueError, match="both lane 2"):
+            c.move_lane(2, 2)
+        with pytest.raises(ValueError, match="lane must be an int in \\[0, 4\\)"):
+            c.move_lane(0, 4)
+        c.begin_step(rings[0], 32, lane=0)
+        with pytest.raises(GGMLError, match="between begin_step and compute"):
+            c.move_lane(0, 2)
+
+
+def test_drafter_move_lane(gqa):
+    cfg, w, _ = gqa
+    rng = np.random.default_rng(12)
+    vocab = 40
+    embed = rng.standard_normal((vocab, cfg.hidden)).astype(np.float32)
+    head = rng.standard_normal((vocab, cfg.hidden)).astype(np.float32)
+    kw = dict(embed_tokens=embed, lm_head=head, cap=19, weight_dtype="f32", cache_type="f32")
+    feats = features(rng, 14, cfg.fc_in)
+    with Drafter(w, lanes=3, **kw) as multi, Drafter(w, **kw) as single:
+        multi.add_features(features(rng, 5, cfg.fc_in), lane=0)
+        multi.add_features(feats, lane=2)
+        single.add_features(feats)
+        assert multi.propose_lanes([1, None, 2])[2].tolist() == single.propose(2).tolist()
+        multi.move_lane(2, 1)
+        assert multi.committed_of(1) == 14 and multi.committed_of(2) == 0
+        more = features(rng, 3, cfg.fc_in)
+        multi.add_features(more, lane=1)
+        single.add_features(more)
+        assert multi.propose(7, lane=1).tolist() == single.propose(7).tolist()
