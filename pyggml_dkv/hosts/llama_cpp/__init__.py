@@ -4,6 +4,7 @@ Modules, one job each:
 - `gguf`: read the target GGUF's metadata and a few tensors (token embedding / lm_head) in numpy;
 - `capture`: the drafter's target features of every decoded token (native or cb_eval route);
 - `target`: `LlamaTarget`, the target on llama-cpp-python's low-level API;
+- `batched_target`: `BatchedLlamaTarget`, several sequences in one context (pyggml_dkv.serving.engine);
 - `sampling`: the target's sampling distribution (temperature, top-k, top-p);
 - `acceptance`: greedy acceptance and speculative rejection sampling;
 - `drafters`: fit checks, the SmolLM2 drafter shape, oracle and numpy-reference drafters;
@@ -35,6 +36,7 @@ _LAZY = {
     "GGUFError": "gguf", "GGUFFile": "gguf",
     "GenerationStats": "stats", "RoundStats": "stats",
     "LlamaTarget": "target",
+    "BatchedLlamaTarget": "batched_target",
     "RemoteDrafter": "remote",
 }
 
