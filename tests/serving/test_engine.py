@@ -1,0 +1,249 @@
+"""SpeculativeEngine on SmolLM2-135M-Instruct with the shipped drafter: concurrent greedy requests
+equal each request decoded alone (plain greedy, up to near-ties), with and without drafts;
+joining, cancelling, the queue bound, max_tokens / stop tokens, draft length 0, shutdown."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
+pytest.importorskip("gguf", reason="reading the shipped GGUF drafter needs the gguf package")
+
+from pyggml_dkv import Backend, DraftWeights  # noqa: E402
+from pyggml_dkv.hosts.llama_cpp import LlamaTarget, compare_to_plain, ggml_drafter, plain_greedy  # noqa: E402
+from pyggml_dkv.hosts.llama_cpp.batched_target import BatchedLlamaTarget  # noqa: E402
+from pyggml_dkv.hosts.pretrained import smollm2_drafter_path  # noqa: E402
+from pyggml_dkv.serving.calibration import calibrate  # noqa: E402
+from pyggml_dkv.serving.engine import (EngineClosedError, QueueFullError, RequestParams,  # noqa: E402
+                                       SpeculativeEngine)
+from pyggml_dkv.serving.policy import CostModel, FixedPolicy, SpeedPolicy  # noqa: E402
+
+from tests.hosts.hosts_helpers import PROMPTS, THREADS, smollm2_path  # noqa: E402
+
+NEAR_TIE = 0.5
+MAX = 32
+PARALLEL = 4
+
+
+@pytest.fixture(scope="module")
+def weights() -> DraftWeights:
+    return DraftWeights.from_pretrained(smollm2_drafter_path())
+
+
+@pytest.fixture(scope="module")
+def target(weights: DraftWeights) -> Iterator[BatchedLlamaTarget]:
+    with BatchedLlamaTarget(smollm2_path(), n_parallel=PARALLEL, n_ctx=1024, n_threads=THREADS,
+                            capture_layers=weights.cfg.target_layer_ids) as t:
+        yield t
+
+
+@pytest.fixture(scope="module")
+def drafter(weights: DraftWeights) -> Iterator[Any]:
+    backend = Backend("cpu", n_threads=THREADS)
+    d = ggml_drafter(weights, str(smollm2_path()), backend=backend, cap=256, lanes=PARALLEL)
+    yield d
+    d.close()
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def costs(target: BatchedLlamaTarget, drafter: Any) -> CostModel:
+    return calibrate(target, drafter, PARALLEL, PARALLEL * drafter.cfg.block_size, reps=1)
+
+
+@pytest.fixture(scope="module")
+def prompts(target: BatchedLlamaTarget) -> list[np.ndarray]:
+    return [target.tokenize(target.chat_prompt(p)) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[Callable[[np.ndarray, int], Any]]:
+    """plain_greedy of a prompt alone on a single-sequence LlamaTarget (cached)."""
+    cache: dict[tuple[tuple[int, ...], int], Any] = {}
+    with LlamaTarget(smollm2_path(), n_ctx=512, n_threads=THREADS) as lt:
+        def get(prompt: np.ndarray, n: int) -> Any:
+            key = (tuple(int(t) for t in prompt), n)
+            if key not in cache:
+                cache[key] = plain_greedy(lt, prompt, n)
+            return cache[key]
+        yield get
+
+
+def greedy(n: int = MAX, **kw: Any) -> RequestParams:
+    return RequestParams(max_tokens=n, record_gaps=True, **kw)
+
+
+def check_plain(res: Any, ref: Any, max_tokens: int) -> None:
+    """Lossless: equal to plain greedy up to a near-tie; then the same length and finish reason."""
+    cmp = compare_to_plain(res, ref, NEAR_TIE)
+    assert cmp["lossless"], cmp
+    if cmp["first_divergence"] is None:
+        assert res.tokens.size == ref.tokens.size, (res.tokens.size, ref.tokens.size)
+        assert res.finish_reason == ("length" if ref.tokens.size == max_tokens else "stop")
+
+
+def wait_tokens(handle: Any, n: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(handle.tokens) < n and not handle.done:
+        assert time.monotonic() < deadline, f"{handle} made no progress"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("mode", ["no drafter", "7 drafts", "policy"])
+def test_concurrent_greedy_requests_equal_each_alone(target: BatchedLlamaTarget, drafter: Any, costs: CostModel,
+                                                     prompts: list[np.ndarray], plain: Any, mode: str) -> None:
+    kw: dict[str, Any] = {"no drafter": {}, "7 drafts": {"policy": FixedPolicy(7)},
+                          "policy": {"policy": SpeedPolicy(), "cost_model": costs}}[mode]
+    engine = SpeculativeEngine(target, None if mode == "no drafter" else drafter, **kw)
+    try:
+        handles = [engine.submit(p, greedy()) for p in prompts]
+        results = [h.result(timeout=120) for h in handles]
+    finally:
+        assert engine.shutdown(10)
+    for p, res in zip(prompts, results):
+        check_plain(res, plain(p, MAX), MAX)
+        st = res.stats
+        assert st.rounds == len(st.accepted) == len(st.emitted) > 0
+        assert all(0 <= a <= k <= 7 for a, k in zip(st.accepted, st.draft_lengths))
+    lanes = sorted(r.stats.lane for r in results)
+    assert lanes == [0, 1, 2, 3]
+    if mode == "no drafter":
+        assert engine.stats.draft_steps == 0 and all(r.stats.draft_lengths == [0] * r.stats.rounds for r in results)
+    if mode == "7 drafts":  # the shipped drafter's drafts are verified and some accepted
+        assert sum(sum(r.stats.accepted) for r in results) > 0
+        assert max(r.stats.tokens_per_round for r in results) > 1.2
+    assert all(target.n_past_of(s) == 0 for s in range(PARALLEL))  # every sequence freed
+
+
+def test_requests_join_while_others_run(target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray],
+                                        plain: Any) -> None:
+    with SpeculativeEngine(target, drafter, policy=FixedPolicy(3)) as engine:
+        first = engine.submit(prompts[0], greedy(48))
+        wait_tokens(first, 4)
+        assert not first.done
+        later = [engine.submit(p, greedy()) for p in prompts[1:3]]
+        results = [h.result(timeout=120) for h in [first, *later]]
+    check_plain(results[0], plain(prompts[0], 48), 48)
+    for p, res in zip(prompts[1:3], results[1:]):
+        check_plain(res, plain(p, MAX), MAX)
+    assert [r.stats.lane for r in results] == [0, 1, 2]
+    assert results[1].stats.started_at > results[0].stats.first_token_at  # really joined a running batch
+
+
+def test_cancel_frees_the_lane_for_a_later_request(target: BatchedLlamaTarget, drafter: Any,
+                                                   prompts: list[np.ndarray], plain: Any) -> None:
+    with SpeculativeEngine(target, drafter, parallel=2, max_queue=0, policy=FixedPolicy(3)) as engine:
+        a = engine.submit(prompts[0], greedy(200))
+        b = engine.submit(prompts[1], greedy(200))
+        wait_tokens(a, 3)
+        assert a.cancel() and not a.cancel()
+        assert a.finish_reason == "cancelled" and a.done
+        got = list(a)  # iteration ends at once
+        assert got == a.tokens[:len(got)]
+        n_at_cancel = len(a.tokens)
+        c = engine.submit(prompts[2], greedy(24))  # the queue takes none: it needs a's lane
+        res = c.result(timeout=120)
+        assert res.stats.lane == a.stats.lane == 0
+        check_plain(res, plain(prompts[2], 24), 24)
+        assert len(a.tokens) == n_at_cancel
+        b.cancel()
+    assert b.finish_reason in ("cancelled", "stop", "length")
+
+
+def test_a_full_queue_raises(target: BatchedLlamaTarget) -> None:
+    engine = SpeculativeEngine(target, None, parallel=1, max_queue=1)
+    prompt = target.tokenize(target.chat_prompt(PROMPTS[0]))
+    try:
+        running = engine.submit(prompt, RequestParams(max_tokens=200))
+        wait_tokens(running, 1)  # it holds the only sequence
+        queued = engine.submit(prompt, RequestParams(max_tokens=200))
+        with pytest.raises(QueueFullError):
+            engine.submit(prompt, RequestParams(max_tokens=4))
+        assert queued.cancel()
+        assert engine.waiting == 0
+        again = engine.submit(prompt, RequestParams(max_tokens=4))  # room again
+        running.cancel()
+        assert again.result(timeout=60).finish_reason in ("length", "stop")
+    finally:
+        engine.shutdown(0)
+    with pytest.raises(EngineClosedError):
+        engine.submit(prompt, RequestParams(max_tokens=4))
+
+
+def test_max_tokens_and_stop_tokens(target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray],
+                                    plain: Any) -> None:
+    ref = plain(prompts[1], MAX).tokens.tolist()
+    stop = ref[5]
+    cut = ref.index(stop)  # its first occurrence ends the request; the stop token is not emitted
+    with SpeculativeEngine(target, drafter, policy=FixedPolicy(7)) as engine:
+        h_len = engine.submit(prompts[1], greedy(5))
+        h_one = engine.submit(prompts[1], greedy(1))
+        h_stop = engine.submit(prompts[1], greedy(MAX, stop_token_ids=(stop,)))
+        h_first = engine.submit(prompts[1], greedy(MAX, stop_token_ids=(ref[0],)))
+        r_len, r_one, r_stop, r_first = (h.result(timeout=120) for h in (h_len, h_one, h_stop, h_first))
+    assert (r_len.finish_reason, r_len.tokens.tolist()) == ("length", ref[:5])
+    assert (r_one.finish_reason, r_one.tokens.tolist()) == ("length", ref[:1])
+    assert (r_stop.finish_reason, r_stop.tokens.tolist()) == ("stop", ref[:cut])
+    assert (r_first.finish_reason, r_first.tokens.tolist(), r_first.stats.rounds) == ("stop", [], 0)
+    assert all(k <= 4 for k in r_len.stats.draft_lengths)  # never drafts past max_tokens
+
+
+def test_draft_length_zero_is_plain_decoding(target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray],
+                                             plain: Any) -> None:
+    with SpeculativeEngine(target, drafter, policy=FixedPolicy(0)) as engine:
+        results = [h.result(timeout=120) for h in [engine.submit(p, greedy()) for p in prompts[:2]]]
+    assert engine.stats.draft_steps == 0
+    for p, res in zip(prompts, results):
+        assert set(res.stats.draft_lengths) == {0} and res.stats.tokens_per_round == 1.0
+        check_plain(res, plain(p, MAX), MAX)
+
+
+def test_sampling_requests_run_with_drafts(target: BatchedLlamaTarget, drafter: Any,
+                                           prompts: list[np.ndarray]) -> None:
+    params = RequestParams(max_tokens=24, temperature=0.8, top_p=0.95, top_k=40, seed=1)
+    with SpeculativeEngine(target, drafter, policy=FixedPolicy(3)) as engine:
+        results = [engine.submit(p, params) for p in prompts[:2]] + [engine.submit(prompts[2], greedy(8))]
+        results = [h.result(timeout=120) for h in results]
+    for res in results:
+        assert res.finish_reason in ("length", "stop") and res.tokens.size >= 1
+        assert ((0 <= res.tokens) & (res.tokens < target.n_vocab)).all()
+        assert all(0 <= a <= k for a, k in zip(res.stats.accepted, res.stats.draft_lengths))
+
+
+def test_shutdown(target: BatchedLlamaTarget, drafter: Any, costs: CostModel, prompts: list[np.ndarray]) -> None:
+    engine = SpeculativeEngine(target, drafter, cost_model=costs)
+    short = [engine.submit(p, RequestParams(max_tokens=6)) for p in prompts[:2]]
+    assert engine.shutdown(60)  # finishes what is in flight
+    assert all(h.finish_reason in ("length", "stop") for h in short)
+    with pytest.raises(EngineClosedError):
+        engine.submit(prompts[0])
+
+    engine = SpeculativeEngine(target, drafter, parallel=2, cost_model=costs)
+    long = [engine.submit(p, RequestParams(max_tokens=400)) for p in prompts[:3]]  # the third waits
+    wait_tokens(long[0], 2)
+    t0 = time.monotonic()
+    assert not engine.shutdown(0.2)  # bounded: what is left is cancelled
+    assert time.monotonic() - t0 < 5.0
+    assert all(h.done for h in long)
+    assert long[2].finish_reason == "cancelled" and long[2].tokens == []
+    assert all(target.n_past_of(s) == 0 for s in range(PARALLEL))
+
+
+def test_bad_requests_are_refused(target: BatchedLlamaTarget) -> None:
+    with SpeculativeEngine(target, None) as engine:
+        with pytest.raises(ValueError, match="max_tokens"):
+            engine.submit([1, 2, 3], RequestParams(max_tokens=0))
+        with pytest.raises(ValueError, match="top_p"):
+            engine.submit([1, 2, 3], RequestParams(top_p=0.0))
+        with pytest.raises(ValueError, match="token ids"):
+            engine.submit([1, target.n_vocab])
+        with pytest.raises(ValueError, match="no room"):
+            engine.submit(np.ones(target.n_ctx_seq, dtype=np.int64))
+        with pytest.raises(ValueError, match="non-empty"):
+            engine.submit([])
+    with pytest.raises(ValueError, match="parallel"):
+        SpeculativeEngine(target, None, parallel=PARALLEL + 1)
