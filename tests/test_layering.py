@@ -1,7 +1,7 @@
 """The package's layers, enforced: imports point one way only, and nothing imports in a circle.
 
 Layers, bottom up (docs/design.md, "Layers"): `common` < `ggml` < `model` < `reference`,
-`drafter` < `hosts`, `serving` < `training`. Every import counts, at module level or deferred inside a
+`drafter` < `hosts`, `serving` < `training`, `serve`. Every import counts, at module level or deferred inside a
 function; only `if TYPE_CHECKING:` blocks (never run) are left out. The package's `__init__`
 is the facade that re-exports the public API lazily and may name any layer.
 """
@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "hosts": {"common", "ggml", "model", "drafter", "reference"},
     "serving": {"common", "ggml", "model", "drafter"},
     "training": {"common", "ggml", "model", "reference", "drafter", "hosts"},
+    "serve": {"common", "ggml", "model", "drafter", "hosts", "serving"},  # the HTTP server: wires a host to the engine
 }
 
 
