@@ -59,7 +59,7 @@ from . import target as _target_module
 from .acceptance import accept_greedy, accept_sampled, target_probs, top2_gap
 from .amx_guard import llama_uses_amx_tiles, model_params
 from .capture import FeatureCapture, make_capture
-from .drafters import check_fits
+from .drafters import check_fits_target
 from .errors import HostError
 from .sampling import draw
 from .target import LlamaTarget, _quiet_llama_logs
@@ -105,6 +105,7 @@ class BatchedLlamaTarget:
     closed = LlamaTarget.closed
     _check_open = LlamaTarget._check_open
     close = LlamaTarget.close
+    _init_context = LlamaTarget._init_context
     __del__ = LlamaTarget.__del__
     tokenize = LlamaTarget.tokenize
     piece = LlamaTarget.piece
@@ -183,17 +184,7 @@ class BatchedLlamaTarget:
         cparams.kv_unified = self.kv_unified
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
-        cb = getattr(self.capture, "callback", None)
-        if cb is not None:
-            cparams.cb_eval = cb
-            cparams.cb_eval_user_data = None
-        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            self._ctx = None
-            self.close()
-            raise HostError("llama.cpp could not create a context")
-        if self.capture is not None:
-            self.capture.attach(self._ctx)
+        self._init_context(cparams)
         self.n_parallel = int(n_parallel)
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
@@ -258,15 +249,7 @@ class BatchedLlamaTarget:
     def check_drafter(self, drafter: Any, lanes: int | None = None) -> None:
         """Raise unless `drafter` (a pyggml_dkv Drafter) fits this target: shape, vocab, the captured
         layers, n_batch >= its block size, and at least `lanes` lanes."""
-        cfg = drafter.cfg
-        check_fits(cfg, drafter.vocab, n_embd=self.n_embd, n_layer=self.n_layer, n_vocab=self.n_vocab)
-        cap = self.capture
-        if cap is None or list(cap.layer_ids) != list(cfg.target_layer_ids):
-            have = None if cap is None else list(cap.layer_ids)
-            raise HostError(f"the target must capture the drafter's layers {list(cfg.target_layer_ids)} "
-                            f"(BatchedLlamaTarget(capture_layers=...)), it captures {have}")
-        if self.n_batch < cfg.block_size:
-            raise HostError(f"n_batch {self.n_batch} is smaller than the drafter's block size {cfg.block_size}")
+        check_fits_target(self, drafter, "BatchedLlamaTarget")
         have_lanes = int(getattr(drafter, "lanes", 1))
         if lanes is not None and have_lanes < lanes:
             raise HostError(f"the drafter has {have_lanes} lanes, {lanes} are needed (Drafter(..., lanes={lanes}))")

@@ -64,6 +64,22 @@ def check_fits(cfg: DraftConfig, vocab: int, *, n_embd: int, n_layer: int, n_voc
         raise IncompatibleDrafterError(f"mask_token_id {cfg.mask_token_id} is outside {where}'s vocab of {n_vocab}")
 
 
+def check_fits_target(target: Any, drafter: Any, target_kind: str) -> None:
+    """Raise unless `drafter` fits a loaded target (a LlamaTarget or BatchedLlamaTarget, named
+    `target_kind` in the message): shape and vocabulary, the captured layers, n_batch >= its block."""
+    from .errors import HostError
+
+    cfg = drafter.cfg
+    check_fits(cfg, drafter.vocab, n_embd=target.n_embd, n_layer=target.n_layer, n_vocab=target.n_vocab)
+    cap = target.capture
+    if cap is None or list(cap.layer_ids) != list(cfg.target_layer_ids):
+        have = None if cap is None else list(cap.layer_ids)
+        raise HostError(f"the target must capture the drafter's layers {list(cfg.target_layer_ids)} "
+                        f"({target_kind}(capture_layers=...)), it captures {have}")
+    if target.n_batch < cfg.block_size:
+        raise HostError(f"n_batch {target.n_batch} is smaller than the drafter's block size {cfg.block_size}")
+
+
 def check_fits_gguf(cfg: DraftConfig, vocab: int, gguf: GGUFFile) -> None:
     """check_fits against a GGUF's metadata (before any model is loaded)."""
     n_embd = gguf.arch_value("embedding_length")

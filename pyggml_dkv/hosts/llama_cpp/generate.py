@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import numpy as np
 
 from .acceptance import accept_greedy, accept_sampled, target_probs, top2_gap
-from .drafters import DraftSource, check_fits
+from .drafters import DraftSource, check_fits_target
 from .sampling import draw
 from .errors import HostClosedError, HostError
 from .stats import GenerationStats, RoundStats
@@ -73,15 +73,7 @@ class SpeculativeGenerator:
     def __init__(self, target: LlamaTarget, drafter: DraftSource) -> None:
         if target.closed:
             raise HostClosedError("the target is closed")
-        cfg = drafter.cfg
-        check_fits(cfg, drafter.vocab, n_embd=target.n_embd, n_layer=target.n_layer, n_vocab=target.n_vocab)
-        cap = target.capture
-        if cap is None or list(cap.layer_ids) != list(cfg.target_layer_ids):
-            have = None if cap is None else list(cap.layer_ids)
-            raise HostError(f"the target must capture the drafter's layers {list(cfg.target_layer_ids)} "
-                            f"(LlamaTarget(capture_layers=...)), it captures {have}")
-        if target.n_batch < cfg.block_size:
-            raise HostError(f"n_batch {target.n_batch} is smaller than the drafter's block size {cfg.block_size}")
+        check_fits_target(target, drafter, "LlamaTarget")
         self.target = target
         self.drafter = drafter
         self.last_result: GenerationResult | None = None

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -92,17 +92,7 @@ class LlamaTarget:
         cparams.n_seq_max = 1
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
-        cb = getattr(self.capture, "callback", None)
-        if cb is not None:
-            cparams.cb_eval = cb
-            cparams.cb_eval_user_data = None
-        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            self._ctx = None
-            self.close()
-            raise HostError("llama.cpp could not create a context")
-        if self.capture is not None:
-            self.capture.attach(self._ctx)
+        self._init_context(cparams)
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._memory = llama_cpp.llama_get_memory(self._ctx)
@@ -145,6 +135,21 @@ class LlamaTarget:
             pass
 
     # --- vocabulary ------------------------------------------------------------------------
+
+    def _init_context(self, cparams: Any) -> None:
+        """Create the llama.cpp context of `cparams`, with the feature capture's callback (or its
+        attachment to the context)."""
+        cb = getattr(self.capture, "callback", None)
+        if cb is not None:
+            cparams.cb_eval = cb
+            cparams.cb_eval_user_data = None
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            self._ctx = None
+            self.close()
+            raise HostError("llama.cpp could not create a context")
+        if self.capture is not None:
+            self.capture.attach(self._ctx)
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> np.ndarray:
         self._check_open()
