@@ -46,7 +46,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -55,14 +54,12 @@ import llama_cpp
 
 from ...common.checks import is_int
 from ...ggml.capabilities import load_ggml_matmul_tiles
-from . import target as _target_module
 from .acceptance import accept_greedy, accept_sampled, target_probs, top2_gap
-from .amx_guard import llama_uses_amx_tiles, model_params
 from .capture import FeatureCapture, make_capture
 from .drafters import check_fits_target
 from .errors import HostError
 from .sampling import draw
-from .target import LlamaTarget, _quiet_llama_logs
+from .target import LlamaTarget
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +102,7 @@ class BatchedLlamaTarget:
     closed = LlamaTarget.closed
     _check_open = LlamaTarget._check_open
     close = LlamaTarget.close
+    _load_model = LlamaTarget._load_model
     _init_context = LlamaTarget._init_context
     __del__ = LlamaTarget.__del__
     tokenize = LlamaTarget.tokenize
@@ -148,26 +146,7 @@ class BatchedLlamaTarget:
             raise HostError(f"n_ubatch must be an int >= 1 or None, got {n_ubatch!r}")
         if n_ctx < n_parallel:
             raise HostError(f"n_ctx={n_ctx} leaves no cell for each of {n_parallel} sequences")
-        path = Path(model_path)
-        if not path.is_file():
-            raise HostError(f"no such model file: {path}")
-        if not verbose:
-            _quiet_llama_logs()
-        if not _target_module._backend_ready:
-            llama_cpp.llama_backend_init()
-            _target_module._backend_ready = True
-        mparams = model_params(path)  # without AMX where this build would crash on it (amx_guard)
-        self._reload_tiles = bool(mparams.use_extra_bufts) and llama_uses_amx_tiles()
-        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self._model:
-            self._model = None
-            raise HostError(f"llama.cpp could not load {path}")
-        self.model_path = path
-        self.vocab_ptr = llama_cpp.llama_model_get_vocab(self._model)
-        self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
-        self.n_layer = int(llama_cpp.llama_model_n_layer(self._model))
-        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab_ptr))
-        self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model))
+        self._load_model(model_path, verbose)
         self.kv_unified = bool(kv_unified)
         self.capture: FeatureCapture | None = None
         if capture_layers:

@@ -56,32 +56,10 @@ class LlamaTarget:
         capture: str = "auto",
         verbose: bool = False,
     ) -> None:
-        global _backend_ready
         self._model = None
         self._ctx = None
         self._batch = None
-        path = Path(model_path)
-        if not path.is_file():
-            raise HostError(f"no such model file: {path}")
-        if not verbose:
-            _quiet_llama_logs()
-        if not _backend_ready:
-            llama_cpp.llama_backend_init()
-            _backend_ready = True
-        mparams = model_params(path)  # llama.cpp's defaults, minus AMX where this build would crash on it
-        # llama.cpp's AMX matmuls trust the tiles they configured on this thread once; other code
-        # (PyTorch's oneDNN) may have released them since: reload ggml's configuration per decode
-        self._reload_tiles = bool(mparams.use_extra_bufts) and llama_uses_amx_tiles()
-        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self._model:
-            self._model = None
-            raise HostError(f"llama.cpp could not load {path}")
-        self.model_path = path
-        self.vocab_ptr = llama_cpp.llama_model_get_vocab(self._model)
-        self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
-        self.n_layer = int(llama_cpp.llama_model_n_layer(self._model))
-        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab_ptr))
-        self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model))
+        self._load_model(model_path, verbose)
         self.capture: FeatureCapture | None = None
         if capture_layers:
             self.capture = make_capture(capture, capture_layers, self.n_embd, self.n_layer, n_batch)
@@ -135,6 +113,32 @@ class LlamaTarget:
             pass
 
     # --- vocabulary ------------------------------------------------------------------------
+
+    def _load_model(self, model_path: str | os.PathLike, verbose: bool) -> None:
+        """Load the GGUF (once llama.cpp's backend is up) and read its shape."""
+        global _backend_ready
+        path = Path(model_path)
+        if not path.is_file():
+            raise HostError(f"no such model file: {path}")
+        if not verbose:
+            _quiet_llama_logs()
+        if not _backend_ready:
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+        mparams = model_params(path)  # llama.cpp's defaults, minus AMX where this build would crash on it
+        # llama.cpp's AMX matmuls trust the tiles they configured on this thread once; other code
+        # (PyTorch's oneDNN) may have released them since: reload ggml's configuration per decode
+        self._reload_tiles = bool(mparams.use_extra_bufts) and llama_uses_amx_tiles()
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            self._model = None
+            raise HostError(f"llama.cpp could not load {path}")
+        self.model_path = path
+        self.vocab_ptr = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+        self.n_layer = int(llama_cpp.llama_model_n_layer(self._model))
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab_ptr))
+        self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model))
 
     def _init_context(self, cparams: Any) -> None:
         """Create the llama.cpp context of `cparams`, with the feature capture's callback (or its
