@@ -5,7 +5,7 @@ llama.cpp's own llama-server with and without its native DFlash, and llama_cpp.s
     python benchmarks/bench_server.py --clients 1,4 --requests 2 --max-tokens 48 --json out.json --plot out.png
 
 Every system serves the same SmolLM2-135M-Instruct GGUF on a loopback port, started, warmed up,
-measured and stopped in turn, in one run. Each of C clients sends `--requests` chat requests one
+all running at once; each cell measures them in turn, `--rounds` times in a rotating order. Each of C clients sends `--requests` chat requests one
 after another (greedy, `--max-tokens` each, prompts of one kind taken round robin), all clients
 at once; reported per system, kind and C: aggregate completion tokens per second (all tokens over
 the wall time from the first request to the last answer) and the median request latency.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import json
 import logging
 import os
@@ -124,8 +125,16 @@ def run_load(base: str, prompts: tuple[str, ...], clients: int, requests: int, m
     wall = time.perf_counter() - t0
     tokens = sum(n for n, _ in results)
     lat = np.array([s for _, s in results])
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "latency_p50_s": float(np.median(lat)),
-            "latency_p90_s": float(np.percentile(lat, 90))}
+    return {"tokens": tokens, "wall_s": wall, "latencies_s": [float(x) for x in lat]}
+
+
+def merge_loads(parts: list[dict]) -> dict:
+    """Rounds of one system and cell: all tokens over all wall time, latency percentiles over all requests."""
+    tokens = sum(p["tokens"] for p in parts)
+    wall = sum(p["wall_s"] for p in parts)
+    lat = np.array([x for p in parts for x in p["latencies_s"]])
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "rounds": len(parts),
+            "latency_p50_s": float(np.median(lat)), "latency_p90_s": float(np.percentile(lat, 90))}
 
 
 def report(results: dict, args: argparse.Namespace) -> None:
@@ -174,6 +183,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kinds", default="chat,code")
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--rounds", type=int, default=3, help="measurements of each cell per system, interleaved")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parallel", type=int, default=4, help="sequences of the servers that batch")
@@ -207,24 +217,32 @@ def main(argv: list[str] | None = None) -> None:
     prompts = {"chat": tuple(HELD_OUT_PROMPTS[:8]), "code": CODE_PROMPTS}
     results: dict = {"cpu": cpu_name(), "threads": args.threads, "max_tokens": args.max_tokens,
                      "requests": args.requests, "parallel": args.parallel, "runs": {}}
-    with tempfile.TemporaryDirectory() as tmp:
+    # every system is started first and left running; each (kind, clients) cell then measures the
+    # systems in turn, `--rounds` times in a rotating order, so that the machine's drift over minutes
+    # falls on all of them alike (an idle server costs nothing: each waits on a condition or a socket)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        bases: dict[str, str] = {}
         for name in args.systems:
             port = free_port()
             cmd = commands(name, port, model, drafter, server, args.threads, args.parallel, args.ctx)
             if cmd is None:
                 continue
             proc = start(cmd, port, Path(tmp) / f"{name}.log")
-            base = f"http://127.0.0.1:{port}"
-            try:
-                run_load(base, prompts["chat"][:1], 1, 1, 8)  # warm-up
-                for kind in args.kinds:
-                    for c in args.clients:
-                        r = run_load(base, prompts[kind], c, args.requests, args.max_tokens)
-                        results["runs"].setdefault(name, {}).setdefault(kind, {})[str(c)] = r
-                        log.info("%s %s %d clients: %.1f tokens/s, p50 %.2f s", name, kind, c, r["tokens_per_s"],
-                                 r["latency_p50_s"])
-            finally:
-                stop(proc)
+            stack.callback(stop, proc)
+            bases[name] = f"http://127.0.0.1:{port}"
+            run_load(bases[name], prompts["chat"][:1], 1, 1, 8)  # warm-up
+        names = list(bases)
+        for kind in args.kinds:
+            for c in args.clients:
+                parts: dict[str, list[dict]] = {n: [] for n in names}
+                for r in range(args.rounds):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        parts[name].append(run_load(bases[name], prompts[kind], c, args.requests, args.max_tokens))
+                for name in names:
+                    res = merge_loads(parts[name])
+                    results["runs"].setdefault(name, {}).setdefault(kind, {})[str(c)] = res
+                    log.info("%s %s %d clients: %.1f tokens/s, p50 %.2f s", name, kind, c, res["tokens_per_s"],
+                             res["latency_p50_s"])
     report(results, args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -144,6 +144,12 @@ class Drafter:
         """Keep only the first n_committed tokens' features of `lane` (verification rejected the rest)."""
         self._ring_of(lane).truncate(n_committed)
 
+    def can_rewind(self, n_committed: int, *, lane: int = 0) -> bool:
+        """Whether rewind(n_committed, lane=lane) keeps those tokens' features (the ring still
+        holds them: n_committed lies between its oldest readable position and its last)."""
+        ring = self._ring_of(lane)
+        return is_int(n_committed) and ring.oldest <= int(n_committed) <= ring.written
+
     def reset(self, lane: int | None = None) -> None:
         """Start a new request on `lane` (every lane when None)."""
         if lane is not None:

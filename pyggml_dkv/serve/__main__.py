@@ -18,6 +18,9 @@ log = logging.getLogger("pyggml_dkv.serve")
 LOOPBACK_NAMES = ("localhost",)
 
 
+SWITCH_INTERVAL_S = 2e-4
+
+
 def is_loopback(host: str) -> bool:
     if host in LOOPBACK_NAMES:
         return True
@@ -102,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for the
     # handler it found: a SIGTERM'd server ends with exit status 0, as a service manager expects
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # The engine's thread takes the GIL back after each llama_decode; with Python's default 5 ms
+    # switch interval it can wait that long behind the event loop's thread, a decode's worth of
+    # time at these model sizes. A short interval keeps that wait small (measured: 1 client
+    # +12% tokens/s on a 2-core Zen 4; benchmarks/README.md, "Servers under concurrent clients").
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)))
     return 0

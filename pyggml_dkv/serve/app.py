@@ -5,9 +5,11 @@
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, streaming
 (server-sent events, `data: [DONE]` at the end) or not. Every request body is validated before
 the engine sees it (schema.py): bad input is a 4xx JSON error naming the field, never a 500. The
-engine's own thread generates; a request's tokens reach its HTTP handler through a small pump
-thread, so the event loop never blocks. A client that goes away cancels its request, which frees
-its sequence and drafter lane before the next round. A full queue is a 429 with Retry-After.
+engine's own thread generates and hands each round's tokens to the event loop
+(`RequestHandle.subscribe`), so the event loop never blocks and wakes once per round. A client
+that goes away cancels its request, which frees its sequence and drafter lane before the next
+round. A full queue is a 429 with Retry-After. /health also reports the engine's counters and,
+when it speculates, its current cost model.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -99,7 +100,11 @@ def create_app(engine: Any, text: Any, *, model_id: str, context_length: int, ap
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "active": engine.active, "waiting": engine.waiting}
+        out: dict[str, Any] = {"status": "ok", "active": engine.active, "waiting": engine.waiting,
+                               "engine": engine.stats.to_dict()}
+        if engine.cost_model is not None:
+            out["cost_model"] = engine.cost_model.snapshot()
+        return out
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
@@ -149,7 +154,10 @@ def create_app(engine: Any, text: Any, *, model_id: str, context_length: int, ap
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         handle = submit(prompt, params_of(body, len(prompt)), rid)
         stream = TextStream(text, body.stop or [])  # type: ignore[arg-type]
-        tokens = _pump(handle)
+        # a whole answer without stop strings needs its tokens only at the end: no text work on
+        # the event loop's thread while the engine decodes (it would share the cores with ggml)
+        every_round = bool(body.stream or body.stop)
+        tokens = _pump(handle, every_round)
         meta = {"id": rid, "created": int(time.time()), "model": body.model or model_id}
         if body.stream:
             return EventSourceResponse(_sse(handle, tokens, stream, meta, chat, len(prompt)), ping=15)
@@ -171,25 +179,30 @@ def create_app(engine: Any, text: Any, *, model_id: str, context_length: int, ap
                     break
         finally:
             handle.cancel()  # no-op once it ended
+        if not every_round:  # the tokens come at the end only
+            stream.push(handle.tokens)
         stream.finish()
         return _final(handle, stream, stream.text, meta, chat, len(prompt))
 
     return app
 
 
-def _pump(handle: RequestHandle) -> "asyncio.Queue[list[int] | None]":
-    """The handle's tokens, as lists of ids, into an asyncio queue of the running loop (None at the end)."""
+def _pump(handle: RequestHandle, every_round: bool = True) -> "asyncio.Queue[list[int] | None]":
+    """The handle's tokens, one list per round, into an asyncio queue of the running loop (None at
+    the end): the engine's thread hands them over itself, one wake-up of the loop per round
+    (`every_round` False: only the end is handed over)."""
     loop = asyncio.get_running_loop()
     q: asyncio.Queue[list[int] | None] = asyncio.Queue()
 
-    def pump() -> None:
+    def hand_over(item: list[int] | None) -> None:
+        if item is not None and not every_round:
+            return
         try:
-            for token in handle:
-                loop.call_soon_threadsafe(q.put_nowait, [token])
-        finally:
-            loop.call_soon_threadsafe(q.put_nowait, None)
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the loop is closed (the server is going down): nobody listens
+            pass
 
-    threading.Thread(target=pump, name=f"pump-{handle.id}", daemon=True).start()
+    handle.subscribe(hand_over)
     return q
 
 
@@ -204,7 +217,8 @@ def _finish_reason(handle: RequestHandle, stream: TextStream) -> str:
 
 def _usage(handle: RequestHandle, prompt_len: int) -> dict[str, int]:
     n = len(handle.tokens)
-    return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+    return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n,
+            "prompt_tokens_details": {"cached_tokens": handle.stats.cached_tokens}}
 
 
 def _final(handle: RequestHandle, stream: TextStream, out: str, meta: dict[str, Any], chat: bool,

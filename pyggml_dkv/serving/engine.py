@@ -70,7 +70,8 @@ class _Active:
     slot: int
     rng: np.random.Generator
     stops: frozenset[int]
-    prefilled: int = 0  # prompt tokens decoded
+    prefilled: int = 0  # prompt tokens decoded (or kept from the slot's previous request)
+    in_kv: list[int] = field(default_factory=list)  # the tokens at positions 0, 1, ... of its sequence
     last: int = -1  # the last emitted token, not yet decoded (-1: none yet)
     generated: int = 0
     idle_rounds: int = 0  # verify rounds since it last drafted
@@ -111,14 +112,17 @@ class SpeculativeEngine:
     draft_max: most drafts per request and round (default block_size - 1). policy: SpeedPolicy()
     by default (FixedPolicy(k) forces k). cost_model: a CostModel to start from (another
     engine's), else measured at start-up when the policy needs one. prefill_chunk: most prompt
-    rows per round (default n_batch). seed: the drafter's sampling draws.
+    rows per round (default n_batch). seed: the drafter's sampling draws. reuse_prefix: a request
+    starts on the free sequence whose previous request's tokens share the longest prefix with its
+    prompt and keeps those positions (the target's KV cells and the drafter lane's features), as
+    llama-server's prompt cache does; False: every request starts from an empty sequence.
     The engine does not own the target or the drafter (it leaves them empty at shutdown).
     """
 
     def __init__(self, target: Any, drafter: Any = None, *, parallel: int | None = None, max_queue: int = 16,
                  draft_max: int | None = None, policy: DraftPolicy | None = None,
                  cost_model: CostModel | None = None, prefill_chunk: int | None = None, seed: int = 0,
-                 name: str = "spec-engine") -> None:
+                 reuse_prefix: bool = True, name: str = "spec-engine") -> None:
         if getattr(target, "closed", True):
             raise EngineError("the target is closed (or not a BatchedLlamaTarget)")
         self.target = target
@@ -155,8 +159,7 @@ class SpeculativeEngine:
         if drafter is not None:
             drafter.reset()
         speculating = drafter is not None and self.draft_max > 0
-        if cost_model is None and speculating and getattr(self.policy, "needs_costs", True):
-            cost_model = calibrate(target, drafter, self.parallel, self.max_rows)
+        self._calibrate = cost_model is None and speculating and getattr(self.policy, "needs_costs", True)
         self.cost_model = cost_model
         self.stats = EngineStats()
         self._accept = AcceptanceEstimate(decay=0.99)  # engine-wide: the prior of a new request
@@ -164,10 +167,20 @@ class SpeculativeEngine:
         self._cv = threading.Condition()
         self._waiting: deque[tuple[RequestHandle, np.ndarray]] = deque()
         self._slots: list[_Active | None] = [None] * self.parallel
+        # per free slot: the tokens its sequence and lane still hold from the request that left it
+        # (a later prompt that starts with them skips their prefill: chat templates, system prompts)
+        self._kept: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * self.parallel
+        self.reuse_prefix = bool(reuse_prefix)
         self._accepting = True
         self._stop = False
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            raise self._start_error
 
     # --- client API ------------------------------------------------------------------------
 
@@ -265,7 +278,27 @@ class SpeculativeEngine:
                     break
             self._cv.notify_all()
 
+    def _start(self) -> bool:
+        """On the engine's thread, before the first round: measure the costs if needed. Every
+        ggml compute of the target and the drafter happens on this one thread, calibration
+        included: ggml's CPU backend synchronises its threads with OpenMP barriers, and each
+        thread that ever starts a parallel region keeps a pool of OpenMP workers; once the pools
+        hold more threads than there are cores, libgomp stops spin-waiting at barriers and puts
+        threads to sleep at every one (measured on a 2-core Zen 4: a 1-row decode 10 -> 17 ms
+        after a calibration on the constructing thread)."""
+        try:
+            if self._calibrate:
+                self.cost_model = calibrate(self.target, self.drafter, self.parallel, self.max_rows)
+        except BaseException as exc:
+            self._start_error = exc
+            return False
+        finally:
+            self._started.set()
+        return True
+
     def _run(self) -> None:
+        if not self._start():
+            return
         try:
             while True:
                 with self._cv:
@@ -296,7 +329,20 @@ class SpeculativeEngine:
         finally:
             with self._cv:
                 self._accepting = False
+                self._clear_kept_locked()
                 self._cv.notify_all()
+
+    def _clear_kept_locked(self) -> None:
+        """Empty the free slots' kept positions (the engine leaves the target and drafter empty)."""
+        for slot, a in enumerate(self._slots):
+            if a is None and self._kept[slot].size:
+                self._kept[slot] = np.zeros(0, dtype=np.int64)
+                try:
+                    self.target.clear_seq(slot)
+                    if self.drafter is not None:
+                        self.drafter.reset(slot)
+                except Exception:  # pragma: no cover - a closed target: nothing left to empty
+                    log.debug("%s: could not empty slot %d at shutdown", self.name, slot, exc_info=True)
 
     def _reap_locked(self) -> None:
         for a in self._slots:
@@ -308,21 +354,66 @@ class SpeculativeEngine:
             handle, toks = self._waiting.popleft()
             if handle.done:
                 continue
-            slot = self._slots.index(None)  # the lowest free sequence / lane
+            slot, keep = self._pick_slot_locked(toks)
             p = handle.params
             a = _Active(handle, toks, slot, np.random.default_rng(p.seed), frozenset(int(t) for t in p.stop_token_ids))
+            self._start_on_slot(a, keep)
             self._slots[slot] = a
             handle.stats.started_at = time.perf_counter()
             handle.stats.lane = slot
             log.debug("%s: %s joins on sequence/lane %d", self.name, handle.id, slot)
 
-    def _free_locked(self, a: _Active) -> None:
-        if self._slots[a.slot] is a:
-            self._slots[a.slot] = None
-        try:
+    def _pick_slot_locked(self, prompt: np.ndarray) -> tuple[int, int]:
+        """The free slot for `prompt` and the positions it keeps: the longest common prefix with
+        what a free slot holds (at most all but the prompt's last token, whose logits are needed),
+        the lowest free slot on a tie (lower lanes keep the drafter's graph small)."""
+        best, keep = -1, 0
+        for slot, a in enumerate(self._slots):
+            if a is not None:
+                continue
+            n = 0
+            if self.reuse_prefix:
+                held = self._kept[slot]
+                m = min(held.size, prompt.size - 1)
+                diff = np.nonzero(held[:m] != prompt[:m])[0]
+                n = int(diff[0]) if diff.size else m
+            if best < 0 or n > keep:
+                best, keep = slot, n
+        return best, keep
+
+    def _start_on_slot(self, a: _Active, keep: int) -> None:
+        """Empty the slot's sequence and lane past `keep` positions (their tokens equal the prompt's)."""
+        self._kept[a.slot] = np.zeros(0, dtype=np.int64)
+        if keep > 0 and self.drafter is not None and not self.drafter.can_rewind(keep, lane=a.slot):
+            keep = 0  # the lane's ring no longer holds those rows' features
+        if keep > 0:
+            self.target.truncate(a.slot, keep)
+            if self.drafter is not None:
+                self.drafter.rewind(keep, lane=a.slot)
+        else:
             self.target.clear_seq(a.slot)
             if self.drafter is not None:
                 self.drafter.reset(a.slot)
+        a.prefilled = keep
+        a.in_kv = [int(t) for t in a.prompt[:keep]]
+        a.handle.stats.cached_tokens = keep
+        if keep:
+            log.debug("%s: %s keeps %d prompt positions of sequence %d", self.name, a.handle.id, keep, a.slot)
+
+    def _free_locked(self, a: _Active, *, keep: bool = True) -> None:
+        """Free the request's slot; its sequence and lane keep their positions for a later prompt
+        that starts with the same tokens (unless `keep` is False or the engine reuses no prefix)."""
+        if self._slots[a.slot] is a:
+            self._slots[a.slot] = None
+        try:
+            held = self.target.n_past_of(a.slot)
+            if keep and self.reuse_prefix and held == len(a.in_kv):
+                self._kept[a.slot] = np.asarray(a.in_kv, dtype=np.int64)
+            else:
+                self._kept[a.slot] = np.zeros(0, dtype=np.int64)
+                self.target.clear_seq(a.slot)
+                if self.drafter is not None:
+                    self.drafter.reset(a.slot)
         finally:
             self._log_done(a)
 
@@ -337,7 +428,7 @@ class SpeculativeEngine:
                 if a is not None:
                     a.handle._finish("error", exc)
                     try:
-                        self._free_locked(a)
+                        self._free_locked(a, keep=False)
                     except Exception:  # the target itself is broken: nothing more to free
                         self._slots[a.slot] = None
 
@@ -390,6 +481,7 @@ class SpeculativeEngine:
         for (a, n, done), r in zip(owners, rows):
             if self.drafter is not None:
                 self.drafter.add_features(self.target.features(r), lane=a.slot)
+            a.in_kv.extend(int(t) for t in a.prompt[a.prefilled:a.prefilled + n])
             a.prefilled += n
             if done:
                 row = r.logits[-1]
@@ -471,6 +563,8 @@ class SpeculativeEngine:
             if self.drafter is not None:
                 self.drafter.add_features(target.features(r)[:n_acc + 1], lane=a.slot)
             target.truncate(a.slot, r.pos + n_acc + 1)
+            a.in_kv.append(a.last)
+            a.in_kv.extend(int(t) for t in d[:n_acc])
             a.est.observe(k, n_acc)
             self._accept.observe(k, n_acc)
             if k > 0:  # drafting after idle rounds: a probe (or a change of mind); twice in a row: on merit

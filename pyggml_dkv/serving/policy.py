@@ -10,9 +10,9 @@ The rule (`SpeedPolicy`):
   E_r(k) = 1 + a_r + ... + a_r^k tokens of r: the j-th draft adds a_r^j.
 - A round over the requests R with m draft rows in all costs C(m) = T(|R| + m) + [m > 0] D + H:
   T the target's decode time by the number of rows in the batch (measured at start-up at a few
-  row counts, interpolated linearly, kept current by an exponential average of the rounds seen),
-  D the drafter step (by the lane graph it runs, measured the same way), H the host's own time
-  per round.
+  row counts, interpolated linearly), D the drafter step (by the lane graph it runs, measured the
+  same way), H the host's own time per round. Every observed round keeps them current: a shared
+  factor follows the machine's speed, the anchors follow their own observations more slowly.
 - The policy returns the split with the largest sum_r E_r / C(m). For a given m and drafter
   graph g (the requests on lanes < g may draft) the best split is the m largest marginal gains
   a_r^j among those requests (each request's gains decrease with j), so one greedy pass per g
@@ -42,8 +42,14 @@ def graph_lanes(highest_lane: int, lanes: int) -> int:
 
 class CostModel:
     """Seconds per round: the target's decode by rows in the batch (`verify_s`), the drafter step
-    by lane graph (`draft_s`), the host's time (`host_s`). Start-up measurements, then each
-    observed round moves the estimate by `alpha` of the (clipped) ratio observed / predicted."""
+    by lane graph (`draft_s`), the host's time (`host_s`).
+
+    Start-up measurements give the curves' shapes; a shared `scale` follows the machine. Each
+    observed decode or step moves `scale` by `alpha` of the (clipped) ratio observed / predicted,
+    and the anchors it falls between by `alpha / 4`: a CPU that slows down (other load, clock
+    changes: +-30% over minutes on shared machines) slows every prediction at once, so the
+    comparison between drafting (rows that are rarely observed) and not drafting (rows observed
+    every round) stays fair, while a curve whose shape was mismeasured still converges."""
 
     def __init__(self, verify_points: Mapping[int, float], draft_points: Mapping[int, float] | None = None,
                  *, host_s: float = 0.0, alpha: float = 0.2) -> None:
@@ -59,6 +65,7 @@ class CostModel:
         self._draft = {int(g): float(s) for g, s in (draft_points or {}).items()}
         self.host_s = float(host_s)
         self.alpha = float(alpha)
+        self.scale = 1.0
 
     def _bracket(self, rows: int) -> tuple[int, int, float]:
         """Anchors i, j around `rows` and the weight of j in the linear interpolation."""
@@ -69,22 +76,13 @@ class CostModel:
         i = j - 1
         return i, j, (rows - r[i]) / (r[j] - r[i])
 
-    def verify_s(self, rows: int) -> float:
-        """Predicted seconds of a decode of `rows` rows (extrapolated linearly past the anchors)."""
+    def _shape_verify(self, rows: int) -> float:
         if len(self._rows) == 1:
             return self._secs[0] * rows / self._rows[0]
         i, j, w = self._bracket(rows)
         return max(1e-6, (1 - w) * self._secs[i] + w * self._secs[j])
 
-    def observe_verify(self, rows: int, seconds: float) -> None:
-        ratio = min(4.0, max(0.25, seconds / self.verify_s(rows)))
-        i, j, w = self._bracket(rows)
-        w = min(1.0, max(0.0, w))
-        for k, wk in ((i, 1 - w), (j, w)) if i != j else ((i, 1.0),):
-            self._secs[k] *= 1 + self.alpha * wk * (ratio - 1)
-
-    def draft_s(self, graph: int) -> float:
-        """Predicted seconds of a drafter step running the graph of `graph` lanes."""
+    def _shape_draft(self, graph: int) -> float:
         if graph in self._draft:
             return self._draft[graph]
         if not self._draft:
@@ -93,18 +91,41 @@ class CostModel:
         above = [g for g in known if g >= graph]
         return self._draft[above[0]] if above else self._draft[known[-1]] * graph / known[-1]
 
+    def verify_s(self, rows: int) -> float:
+        """Predicted seconds of a decode of `rows` rows (extrapolated linearly past the anchors)."""
+        return self.scale * self._shape_verify(rows)
+
+    def draft_s(self, graph: int) -> float:
+        """Predicted seconds of a drafter step running the graph of `graph` lanes."""
+        return self.scale * self._shape_draft(graph)
+
+    def _follow(self, ratio: float) -> float:
+        """Move the shared scale towards an observation; returns the ratio clipped."""
+        ratio = min(4.0, max(0.25, ratio))
+        self.scale *= 1 + self.alpha * (ratio - 1)
+        return ratio
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        ratio = self._follow(seconds / self.verify_s(rows))
+        i, j, w = self._bracket(rows)
+        w = min(1.0, max(0.0, w))
+        for k, wk in ((i, 1 - w), (j, w)) if i != j else ((i, 1.0),):
+            self._secs[k] *= 1 + self.alpha / 4 * wk * (ratio - 1)
+
     def observe_draft(self, graph: int, seconds: float) -> None:
         if graph not in self._draft:
-            self._draft[graph] = float(seconds)
+            self._draft[graph] = float(seconds) / self.scale
             return
-        ratio = min(4.0, max(0.25, seconds / self._draft[graph]))
-        self._draft[graph] *= 1 + self.alpha * (ratio - 1)
+        ratio = self._follow(seconds / self.draft_s(graph))
+        self._draft[graph] *= 1 + self.alpha / 4 * (ratio - 1)
 
     def observe_host(self, seconds: float) -> None:
         self.host_s += self.alpha * (max(0.0, seconds) - self.host_s)
 
     def snapshot(self) -> dict[str, object]:
-        return {"verify_s": dict(zip(self._rows, self._secs)), "draft_s": dict(self._draft), "host_s": self.host_s}
+        """The current predictions at the anchors (scale included)."""
+        return {"verify_s": {r: self.verify_s(r) for r in self._rows},
+                "draft_s": {g: self.draft_s(g) for g in self._draft}, "host_s": self.host_s, "scale": self.scale}
 
 
 class AcceptanceEstimate:

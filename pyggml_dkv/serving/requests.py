@@ -7,6 +7,7 @@ generated token ids as rounds commit them (blocking), `result()` waits for the e
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import threading
@@ -19,6 +20,8 @@ import numpy as np
 
 from ..common.checks import is_int, is_real
 from ..common.errors import PyggmlDkvError
+
+log = logging.getLogger(__name__)
 
 
 class EngineError(PyggmlDkvError, RuntimeError):
@@ -74,6 +77,7 @@ class RequestStats:
     """Per request: tokens, verify rounds, the draft length chosen and the drafts accepted in each, times."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt positions kept from the previous request on its sequence (not decoded)
     n_tokens: int = 0  # generated tokens (the prefill's first one included, a stop token not)
     draft_lengths: list[int] = field(default_factory=list)  # k chosen per verify round
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verify round
@@ -115,7 +119,7 @@ class RequestStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "prompt_tokens": self.prompt_tokens, "n_tokens": self.n_tokens, "rounds": self.rounds, "lane": self.lane,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "n_tokens": self.n_tokens, "rounds": self.rounds, "lane": self.lane,
             "tokens_per_round": self.tokens_per_round, "mean_draft_length": self.mean_draft_length,
             "draft_length_histogram": dict(sorted(Counter(self.draft_lengths).items())),
             "queue_s": self.queue_s, "total_s": self.total_s, "tokens_per_s": self.tokens_per_s,
@@ -151,6 +155,7 @@ class RequestHandle:
         self._tokens: list[int] = []
         self._gaps: list[float] = []
         self._on_cancel = on_cancel
+        self._listener: Callable[[list[int] | None], None] | None = None
 
     def __repr__(self) -> str:
         return f"RequestHandle({self.id!r}, tokens={len(self._tokens)}, finish_reason={self.finish_reason!r})"
@@ -183,6 +188,31 @@ class RequestHandle:
         """The tokens generated so far."""
         with self._lock:
             return list(self._tokens)
+
+    def subscribe(self, listener: Callable[[list[int] | None], None]) -> None:
+        """Have `listener(tokens)` called with each round's committed tokens and `listener(None)`
+        once at the end, on the engine's thread (what was committed before comes at once). One
+        call per round, not per token, and no thread of the client's own: a server hands the
+        tokens to its event loop this way. The listener must return at once (no blocking, no
+        raising: an exception is logged and the listener dropped)."""
+        with self._lock:
+            if self._listener is not None:
+                raise RuntimeError(f"request {self.id} already has a listener")
+            self._listener = listener
+            if self._tokens:
+                self._notify(list(self._tokens))
+            if self._done.is_set():
+                self._notify(None)
+
+    def _notify(self, item: list[int] | None) -> None:
+        """Call the listener (under the lock: calls arrive in order, the end last)."""
+        if self._listener is None:
+            return
+        try:
+            self._listener(item)
+        except Exception:
+            log.exception("request %s: its listener failed; dropped", self.id)
+            self._listener = None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the end; True when it ended."""
@@ -219,6 +249,7 @@ class RequestHandle:
                 self.stats.first_token_at = time.perf_counter()
             for t in tokens:
                 self._queue.put(t)
+            self._notify(list(tokens))
         return True
 
     def _finish(self, reason: str, error: BaseException | None = None) -> bool:
@@ -233,4 +264,5 @@ class RequestHandle:
             self.stats.finished_at = time.perf_counter()
             self._done.set()
             self._queue.put(_END)
+            self._notify(None)
         return True

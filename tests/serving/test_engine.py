@@ -247,3 +247,84 @@ def test_bad_requests_are_refused(target: BatchedLlamaTarget) -> None:
             engine.submit([])
     with pytest.raises(ValueError, match="parallel"):
         SpeculativeEngine(target, None, parallel=PARALLEL + 1)
+
+
+@pytest.mark.parametrize("mode", ["no drafter", "3 drafts"])
+def test_a_prompt_that_continues_an_earlier_request_keeps_its_positions(
+        target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any, mode: str) -> None:
+    """A second turn (the first prompt, its answer, a new message) starts on the sequence and lane
+    the first left, skipping the prefill of what they hold; its output stays plain greedy's."""
+    d = None if mode == "no drafter" else drafter
+    policy = FixedPolicy(0 if d is None else 3)
+    with SpeculativeEngine(target, d, policy=policy) as engine:
+        other = engine.submit(prompts[2], greedy(8))  # lane 0; the first turn goes to lane 1
+        first = engine.submit(prompts[0], greedy(16)).result(timeout=120)
+        other.result(timeout=120)
+        assert first.stats.lane == 1 and first.finish_reason == "length"
+        second_prompt = np.concatenate([prompts[0], first.tokens, prompts[1]])
+        second = engine.submit(second_prompt, greedy()).result(timeout=120)
+        # its sequence held the first prompt and all but the last answer token (never decoded)
+        assert second.stats.lane == 1
+        assert second.stats.cached_tokens == prompts[0].size + first.tokens.size - 1
+        n_kept = target.n_past_of(1)
+        if d is not None:  # the lane holds the features of exactly the sequence's positions
+            assert d.rings[1].written == n_kept
+            kept_features = d.rings[1].read(0, second_prompt.size)
+        fresh = SpeculativeEngine(target, d, policy=policy, reuse_prefix=False)
+        try:
+            again = fresh.submit(second_prompt, greedy()).result(timeout=120)
+        finally:
+            fresh.shutdown(10)
+    assert again.stats.cached_tokens == 0
+    if d is not None:  # ... and they are the prompt's features, as a fresh prefill computes them
+        target.clear()
+        fresh_features = target.features(target.decode_blocks([(0, second_prompt, "none")])[0])
+        target.clear()
+        np.testing.assert_allclose(kept_features, fresh_features, rtol=0, atol=2e-3 * np.abs(fresh_features).max())
+    check_plain(second, plain(second_prompt, MAX), MAX)
+    if d is not None:
+        assert sum(second.stats.accepted) > 0
+
+
+def test_a_request_cancelled_in_its_prefill_leaves_a_usable_prefix(target: BatchedLlamaTarget, drafter: Any,
+                                                                    prompts: list[np.ndarray], plain: Any) -> None:
+    long_prompt = np.concatenate([prompts[0], prompts[1], prompts[2]])
+    with SpeculativeEngine(target, drafter, parallel=1, policy=FixedPolicy(3), prefill_chunk=8) as engine:
+        h = engine.submit(long_prompt, greedy())
+        while engine.stats.prefill_decodes < 2:
+            time.sleep(0.001)
+        h.cancel()
+        res = engine.submit(long_prompt, greedy()).result(timeout=120)
+    assert 16 <= res.stats.cached_tokens < long_prompt.size and res.stats.cached_tokens % 8 == 0
+    check_plain(res, plain(long_prompt, MAX), MAX)
+    assert all(target.n_past_of(s) == 0 for s in range(PARALLEL))  # shutdown empties kept sequences
+
+
+def test_a_listener_gets_each_rounds_tokens_in_order_then_the_end() -> None:
+    from pyggml_dkv.serving.requests import RequestHandle
+
+    got: list[Any] = []
+    h = RequestHandle("r", 3, RequestParams(), lambda _: None)
+    h._push([5, 6])
+    h.subscribe(got.append)  # what came before arrives at once
+    h._push([7])
+    with pytest.raises(RuntimeError, match="already has a listener"):
+        h.subscribe(got.append)
+    assert h.cancel()
+    h._push([8])  # after the end: dropped
+    assert got == [[5, 6], [7], None]
+
+    late: list[Any] = []
+    ended = RequestHandle("r1", 3, RequestParams(), lambda _: None)  # ended before anyone listened
+    ended._push([5, 6, 7])
+    ended._finish("length")
+    ended.subscribe(late.append)
+    assert late == [[5, 6, 7], None]
+
+    def broken(item: Any) -> None:
+        raise ValueError("boom")
+
+    h2 = RequestHandle("r2", 3, RequestParams(), lambda _: None)
+    h2.subscribe(broken)
+    assert h2._push([1]) and h2._push([2])  # the engine's thread goes on; the listener is dropped
+    assert h2.tokens == [1, 2]

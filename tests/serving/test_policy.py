@@ -84,8 +84,9 @@ def test_cost_model_interpolates_and_follows_observations() -> None:
     for _ in range(200):
         m.observe_verify(5, 0.1)  # the machine got twice as slow
     assert m.verify_s(5) == pytest.approx(0.1, rel=1e-3)
-    m.observe_verify(5, 100.0)  # one outlier moves it by alpha x at most 4
-    assert m.verify_s(5) < 0.1 * (1 + 0.2 * 3) + 1e-9
+    m.observe_verify(5, 100.0)  # one outlier moves it by alpha x at most 4, and a quarter of that
+    assert m.verify_s(5) < 0.1 * (1 + 0.2 * 3) * (1 + 0.05 * 3) + 1e-9
+    m = CostModel({1: 0.01, 9: 0.09}, {1: 0.002})
     assert m.draft_s(1) == 0.002 and m.draft_s(4) == pytest.approx(0.008)  # unmeasured graph: scaled
     m.observe_draft(2, 0.003)
     assert m.draft_s(2) == 0.003 and m.draft_s(4) == pytest.approx(0.006)
@@ -93,6 +94,20 @@ def test_cost_model_interpolates_and_follows_observations() -> None:
     assert m.draft_s(4) == 0.005  # the nearest measured size above
     with pytest.raises(ValueError):
         CostModel({})
+
+
+def test_a_slower_machine_slows_every_prediction() -> None:
+    """Plain rounds observe 1-row decodes only; when the CPU slows down, the draft rows and the
+    drafter step, rarely observed, must be predicted slower too, or drafting looks cheap."""
+    m = CostModel({1: 0.01, 2: 0.018, 8: 0.05}, {1: 0.004})
+    for _ in range(100):
+        m.observe_verify(1, 0.02)
+    assert m.verify_s(1) == pytest.approx(0.02, rel=1e-2)
+    assert m.verify_s(2) > 1.5 * 0.018 and m.verify_s(8) > 1.5 * 0.05 and m.draft_s(1) > 1.5 * 0.004
+    # a machine twice as slow does not make one draft pay where it did not
+    slow = [PolicyRequest(0.5, 7, 0)]
+    assert SpeedPolicy().choose(slow, m, 4, 32) == SpeedPolicy().choose(slow, CostModel({1: 0.01, 2: 0.018, 8: 0.05},
+                                                                                       {1: 0.004}), 4, 32) == [0]
 
 
 def test_acceptance_estimate_and_graph_lanes() -> None:
