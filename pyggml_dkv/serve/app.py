@@ -260,6 +260,11 @@ async def _sse(handle: RequestHandle, tokens: "asyncio.Queue[list[int] | None]",
             if stream.stopped:
                 handle.cancel()
                 break
+        if handle.finish_reason == "error" and not stream.stopped:
+            # the status line went out with the first chunk: the failure is told in the stream,
+            # as OpenAI's API does (its client raises an APIError on a data line with "error")
+            yield json.dumps(error_body(f"generation failed: {handle.error!r}", "server_error"))
+            return
         rest = stream.finish()
         if rest:
             yield chunk(rest, None)

@@ -5,6 +5,7 @@ joining, cancelling, the queue bound, max_tokens / stop tokens, draft length 0, 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -328,3 +329,39 @@ def test_a_listener_gets_each_rounds_tokens_in_order_then_the_end() -> None:
     h2.subscribe(broken)
     assert h2._push([1]) and h2._push([2])  # the engine's thread goes on; the listener is dropped
     assert h2.tokens == [1, 2]
+
+
+# chi-square critical value, 3 degrees of freedom, p = 1e-4 (seeded draws: deterministic anyway)
+CHI2_DF3_P1E4 = 21.11
+
+
+def test_sampled_requests_follow_the_targets_distribution(target: BatchedLlamaTarget, drafter: Any,
+                                                          prompts: list[np.ndarray]) -> None:
+    """End to end through the engine: with drafts verified by rejection sampling, the token after
+    the first one is distributed as the target's own sampling distribution given the first
+    (chi-square over many seeded requests). Wrong rows, lanes or draft distributions would skew it
+    (accepting 60% of drafts blindly, for one, emits tokens outside the target's top-k)."""
+    prompt = prompts[0]
+    top_k = 4
+    params = [RequestParams(max_tokens=3, temperature=1.0, top_k=top_k, seed=i, stop_at_eog=False) for i in range(400)]
+    with SpeculativeEngine(target, drafter, policy=FixedPolicy(3), max_queue=len(params)) as engine:
+        results = [h.result(timeout=300) for h in [engine.submit(prompt, p) for p in params]]
+    firsts = Counter(int(r.tokens[0]) for r in results)
+    first = firsts.most_common(1)[0][0]
+    seconds = [int(r.tokens[1]) for r in results if int(r.tokens[0]) == first]
+    drafted = [r for r in results if r.stats.draft_lengths and r.stats.draft_lengths[0] > 0]
+    assert len(drafted) == len(results)  # every second token came out of a verify round with drafts
+    accepted = [r.stats.accepted[0] for r in results]
+    assert 0 < sum(a > 0 for a in accepted) < len(results)  # both paths: drafts accepted and rejected
+
+    target.clear()  # the target's own distribution for the token after prompt + first
+    logits = target.decode_blocks([(0, np.append(prompt, first), "last")])[0].logits
+    p = target.target_probs(np.array(logits), 1.0, top_k)[0]
+    target.clear()
+    support = np.nonzero(p)[0]
+    assert support.size == top_k and set(seconds) <= set(support.tolist())
+    counts = np.array([seconds.count(int(t)) for t in support], dtype=np.float64)
+    expected = counts.sum() * p[support]
+    assert counts.sum() >= 150 and expected.min() >= 5, (counts, expected)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_DF3_P1E4, (counts, expected, chi2)
