@@ -104,13 +104,20 @@ def commands(name: str, port: int, model: Path, drafter: Path, llama_server: str
     raise ValueError(name)
 
 
-def run_load(base: str, prompts: tuple[str, ...], clients: int, requests: int, max_tokens: int) -> dict:
-    """C clients, each sending `requests` chat requests in turn; aggregate tokens/s and latencies."""
+def run_load(base: str, prompts: tuple[str, ...], clients: int, requests: int, max_tokens: int,
+             tag: str = "") -> dict:
+    """C clients, each sending `requests` chat requests in turn; aggregate tokens/s and latencies.
+    With a `tag`, each request's message starts with its own label ("[tag.client.request] "): no
+    two requests of a run are the same prompt, as in real traffic. (llama-server keeps earlier
+    prompts in a host-memory cache across its slots and would otherwise skip the whole prefill
+    of a prompt it saw in an earlier round; both servers still reuse the chat template's preamble.)"""
     def client(c: int) -> list[tuple[int, float]]:
         out = []
         with httpx.Client(timeout=600) as http:
             for r in range(requests):
                 prompt = prompts[(c * requests + r) % len(prompts)]
+                if tag:
+                    prompt = f"[{tag}.{c}.{r}] {prompt}"
                 t0 = time.perf_counter()
                 resp = http.post(base + "/v1/chat/completions", json={
                     "model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -237,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
                 parts: dict[str, list[dict]] = {n: [] for n in names}
                 for r in range(args.rounds):
                     for name in names[r % len(names):] + names[:r % len(names)]:
-                        parts[name].append(run_load(bases[name], prompts[kind], c, args.requests, args.max_tokens))
+                        parts[name].append(run_load(bases[name], prompts[kind], c, args.requests, args.max_tokens,
+                                                    tag=f"{kind}{c}.{r}"))
                 for name in names:
                     res = merge_loads(parts[name])
                     results["runs"].setdefault(name, {}).setdefault(kind, {})[str(c)] = res

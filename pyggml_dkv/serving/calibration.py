@@ -4,7 +4,8 @@ The target's decode time by rows in the batch: `points` row counts (1, 2, 4, ...
 rows a verify batch may have), the rows spread over the engine's sequences as verify blocks
 (each sequence first given `context` tokens), `reps` decodes each, the median kept. The drafter
 step by lane graph (1, 2, 4, ... lanes): lanes fed the features captured from those contexts,
-`reps` greedy steps after a warm-up one (which folds the context in), the median kept. Every
+`reps` greedy steps after a warm-up one (which folds the context in), the median kept. Shapes
+are measured in turn, one sample of each per pass, after an untimed warm-up pass. Every
 sequence and lane is empty again afterwards.
 """
 
@@ -32,7 +33,7 @@ def row_points(max_rows: int) -> list[int]:
     return sorted(pts)
 
 
-def calibrate(target: Any, drafter: Any, parallel: int, max_rows: int, *, reps: int = 3,
+def calibrate(target: Any, drafter: Any, parallel: int, max_rows: int, *, reps: int = 5,
               context: int = 32) -> CostModel:
     """Measure a CostModel on `target` (a BatchedLlamaTarget) and `drafter` (lanes >= parallel)."""
     t_start = time.perf_counter()
@@ -47,32 +48,36 @@ def calibrate(target: Any, drafter: Any, parallel: int, max_rows: int, *, reps: 
         rows = target.decode_blocks([(s, ctx, "none")])
         if target.capture is not None:
             feats[s] = target.features(rows[0]).copy()
-    verify: dict[int, float] = {}
-    for r in row_points(max_rows):
-        per = [r // parallel + (1 if i < r % parallel else 0) for i in range(parallel)]
-        blocks = [(s, ctx[:n], "all") for s, n in zip(seqs, per) if n > 0]
-        times = []
-        for _ in range(reps):
+    # every shape once to warm up (a new batch shape builds its graph), then the shapes in turn,
+    # `reps` times: a machine that slows down for a moment slows one sample of each, not one shape
+    points = row_points(max_rows)
+    verify_times: dict[int, list[float]] = {r: [] for r in points}
+    for rep in range(reps + 1):
+        for r in points:
+            per = [r // parallel + (1 if i < r % parallel else 0) for i in range(parallel)]
+            blocks = [(s, ctx[:n], "all") for s, n in zip(seqs, per) if n > 0]
             t0 = time.perf_counter()
             target.decode_blocks(blocks)
-            times.append(time.perf_counter() - t0)
+            if rep > 0:
+                verify_times[r].append(time.perf_counter() - t0)
             for s, _, _ in blocks:
                 target.truncate(s, context)
-        verify[r] = statistics.median(times)
+    verify = {r: statistics.median(t) for r, t in verify_times.items()}
     draft: dict[int, float] = {}
     if drafter is not None and feats:
-        for g in lane_counts(parallel):
-            for lane in range(g):
-                drafter.reset(lane)
-                drafter.add_features(feats[lane], lane=lane)
-            tokens: list[int | None] = [int(ctx[-1]) if lane < g else None for lane in range(drafter.lanes)]
-            drafter.propose_lanes(tokens)  # folds the context in
-            times = []
-            for _ in range(reps):
+        graphs = lane_counts(parallel)
+        for lane in range(max(graphs)):
+            drafter.reset(lane)
+            drafter.add_features(feats[lane], lane=lane)
+        draft_times: dict[int, list[float]] = {g: [] for g in graphs}
+        for rep in range(reps + 1):  # the first step of each graph folds the contexts in: not timed
+            for g in graphs:
+                tokens: list[int | None] = [int(ctx[-1]) if lane < g else None for lane in range(drafter.lanes)]
                 t0 = time.perf_counter()
                 drafter.propose_lanes(tokens)
-                times.append(time.perf_counter() - t0)
-            draft[g] = statistics.median(times)
+                if rep > 0:
+                    draft_times[g].append(time.perf_counter() - t0)
+        draft = {g: statistics.median(t) for g, t in draft_times.items()}
         drafter.reset()
     for s in seqs:
         target.clear_seq(s)

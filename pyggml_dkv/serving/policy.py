@@ -21,6 +21,10 @@ The rule (`SpeedPolicy`):
 - A request that drafted nothing for `probe_every` rounds drafts at least one token, so that its
   a_r follows the text; after each such probe that the next round did not follow with drafts the
   wait doubles (16, 32, ... 256 rounds), so where drafting never pays probing costs ~nothing.
+  The other way round, after `probe_every` rounds in a row in which someone drafted, one round is
+  plain for everyone, so that the cost of not drafting is observed too (the costs are learned
+  from the rounds the policy runs: a plain round overestimated at start-up would never be
+  corrected while the policy keeps drafting).
 
 `FixedPolicy(k)` drafts min(k, room) for every request (k = 0: plain decoding).
 """
@@ -46,7 +50,7 @@ class CostModel:
 
     Start-up measurements give the curves' shapes; a shared `scale` follows the machine. Each
     observed decode or step moves `scale` by `alpha` of the (clipped) ratio observed / predicted,
-    and the anchors it falls between by `alpha / 4`: a CPU that slows down (other load, clock
+    and the anchors it falls between by `alpha / 2`: a CPU that slows down (other load, clock
     changes: +-30% over minutes on shared machines) slows every prediction at once, so the
     comparison between drafting (rows that are rarely observed) and not drafting (rows observed
     every round) stays fair, while a curve whose shape was mismeasured still converges."""
@@ -110,14 +114,14 @@ class CostModel:
         i, j, w = self._bracket(rows)
         w = min(1.0, max(0.0, w))
         for k, wk in ((i, 1 - w), (j, w)) if i != j else ((i, 1.0),):
-            self._secs[k] *= 1 + self.alpha / 4 * wk * (ratio - 1)
+            self._secs[k] *= 1 + self.alpha / 2 * wk * (ratio - 1)
 
     def observe_draft(self, graph: int, seconds: float) -> None:
         if graph not in self._draft:
             self._draft[graph] = float(seconds) / self.scale
             return
         ratio = self._follow(seconds / self.draft_s(graph))
-        self._draft[graph] *= 1 + self.alpha / 4 * (ratio - 1)
+        self._draft[graph] *= 1 + self.alpha / 2 * (ratio - 1)
 
     def observe_host(self, seconds: float) -> None:
         self.host_s += self.alpha * (max(0.0, seconds) - self.host_s)
@@ -186,6 +190,7 @@ class SpeedPolicy:
 
     def __init__(self, probe_every: int = 16) -> None:
         self.probe_every = int(probe_every)
+        self._drafting_streak = 0  # rounds in a row in which someone drafted
 
     def choose(self, requests: Sequence[PolicyRequest], costs: CostModel, lanes: int, max_rows: int) -> list[int]:
         n = len(requests)
@@ -223,6 +228,15 @@ class SpeedPolicy:
                 speed = benefit / round_cost(costs, ks, lanes_of, lanes)
                 if speed > best:
                     best_ks, best = list(ks), speed
+        if not any(best_ks):
+            self._drafting_streak = 0
+        elif self.probe_every > 0 and self._drafting_streak >= self.probe_every:
+            # a plain round now and then keeps the cost of not drafting measured: a start-up
+            # estimate that made plain rounds look dear would otherwise never be corrected
+            self._drafting_streak = 0
+            return [0] * n
+        else:
+            self._drafting_streak += 1
         return best_ks
 
 

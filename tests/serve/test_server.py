@@ -41,6 +41,19 @@ def test_models_and_health(server, client):
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
     health = httpx.get(server.base_url + "/health").json()
     assert health["status"] == "ok" and health["active"] == 0
+    assert health["engine"]["rounds"] >= 0 and set(health["cost_model"]) >= {"verify_s", "draft_s", "scale"}
+
+
+def test_a_second_turn_reuses_the_first_turns_positions(client):
+    """A conversation's next request starts with the whole previous one: its usage says how many
+    prompt tokens were kept from it (OpenAI's prompt_tokens_details.cached_tokens)."""
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    first = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And in one word?"}]
+    second = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
 
 
 def test_completion_and_chat_streamed_or_not_agree(client):
