@@ -29,6 +29,15 @@ A round:
    the rejected positions removed from its sequence (`llama_memory_seq_rm`), the tokens to its
    handle; stop tokens and end-of-generation give "stop", max_tokens or a full sequence "length".
 
+Plain requests. Capturing the target's features costs every decode some time (llama.cpp copies
+the captured layers' rows out: 4-8% of a 1-row SmolLM2 decode on a 2-core Zen 4), and only
+requests that may draft need them. A request stops speculating (its lane is emptied, its rows no
+longer captured) once it has probed `give_up_after` times without the policy ever drafting for it
+otherwise (a drafting round that is not a probe: the first round, or one right after drafting). The engine remembers, decayed over the requests that drafted, how often
+drafting paid beyond probes (SpeedPolicy only: a fixed policy drafts what it is told); while that is under 10%, a new request starts plain, except every
+`explore_every`-th, which keeps the estimate current. A decode in which no request speculates
+captures nothing: where drafting does not pay, the server settles into plain decoding.
+
 The engine lives in the serving layer, which may not import the hosts layer: it drives the
 target through the target's own methods (`decode_blocks`, `features`, `truncate`, `clear_seq`,
 `is_eog`) and the verification rule the target exposes (`accept_greedy`, `accept_sampled`,
@@ -59,6 +68,8 @@ __all__ = ["EngineClosedError", "EngineError", "QueueFullError", "RequestHandle"
            "RequestResult", "RequestStats", "SpeculativeEngine"]
 
 _ids = itertools.count(1)
+MERIT_FLOOR = 0.1  # below: recent speculative requests (nearly) never drafted on merit
+MERIT_DECAY = 0.7  # per finished request that drafted
 
 
 @dataclass
@@ -76,6 +87,9 @@ class _Active:
     generated: int = 0
     idle_rounds: int = 0  # verify rounds since it last drafted
     probes: int = 0  # drafting rounds after idle ones since it last drafted twice in a row
+    speculative: bool = False  # its features are captured, its lane kept: it may draft
+    started_speculative: bool = False
+    merit: bool = False  # it drafted in a round that was not a probe (the policy found drafting paid)
     est: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
     @property
@@ -92,6 +106,7 @@ class EngineStats:
     rounds: int = 0  # verify rounds
     draft_steps: int = 0
     prefill_decodes: int = 0
+    plain_decodes: int = 0  # decodes without feature capture (no request in them speculated)
     tokens: int = 0  # tokens committed to requests
     verify_s: float = 0.0
     draft_s: float = 0.0
@@ -116,13 +131,16 @@ class SpeculativeEngine:
     starts on the free sequence whose previous request's tokens share the longest prefix with its
     prompt and keeps those positions (the target's KV cells and the drafter lane's features), as
     llama-server's prompt cache does; False: every request starts from an empty sequence.
+    give_up_after, explore_every: when a request stops speculating and when new ones start
+    without (the engine docstring, "Plain requests"); give_up_after=0: never.
     The engine does not own the target or the drafter (it leaves them empty at shutdown).
     """
 
     def __init__(self, target: Any, drafter: Any = None, *, parallel: int | None = None, max_queue: int = 16,
                  draft_max: int | None = None, policy: DraftPolicy | None = None,
                  cost_model: CostModel | None = None, prefill_chunk: int | None = None, seed: int = 0,
-                 reuse_prefix: bool = True, name: str = "spec-engine") -> None:
+                 reuse_prefix: bool = True, give_up_after: int = 2, explore_every: int = 8,
+                 name: str = "spec-engine") -> None:
         if getattr(target, "closed", True):
             raise EngineError("the target is closed (or not a BatchedLlamaTarget)")
         self.target = target
@@ -160,9 +178,20 @@ class SpeculativeEngine:
             drafter.reset()
         speculating = drafter is not None and self.draft_max > 0
         self._calibrate = cost_model is None and speculating and getattr(self.policy, "needs_costs", True)
+        for name, value, lo in (("give_up_after", give_up_after, 0), ("explore_every", explore_every, 1)):
+            if not is_int(value) or value < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+        # only a policy that weighs costs can find that drafting does not pay
+        self.give_up_after = int(give_up_after) if getattr(self.policy, "needs_costs", True) else 0
+        self.explore_every = int(explore_every)
         self.cost_model = cost_model
         self.stats = EngineStats()
         self._accept = AcceptanceEstimate(decay=0.99)  # engine-wide: the prior of a new request
+        # engine-wide: how often recent speculative requests drafted on merit (decayed per
+        # request), and new requests started plain since the last speculative one (docs/server.md)
+        self._merit = 1.0
+        self._plain_starts = 0
+        self.speculating = self.drafter is not None and self.draft_max > 0
         self._rng = np.random.default_rng(seed)
         self._cv = threading.Condition()
         self._waiting: deque[tuple[RequestHandle, np.ndarray]] = deque()
@@ -357,6 +386,7 @@ class SpeculativeEngine:
             slot, keep = self._pick_slot_locked(toks)
             p = handle.params
             a = _Active(handle, toks, slot, np.random.default_rng(p.seed), frozenset(int(t) for t in p.stop_token_ids))
+            a.speculative = a.started_speculative = self._starts_speculative()
             self._start_on_slot(a, keep)
             self._slots[slot] = a
             handle.stats.started_at = time.perf_counter()
@@ -381,15 +411,38 @@ class SpeculativeEngine:
                 best, keep = slot, n
         return best, keep
 
+    def _starts_speculative(self) -> bool:
+        """Whether a new request captures features (and may draft): yes while recent speculative
+        requests drafted on merit now and then; else only every `explore_every`-th new request,
+        which keeps the engine's knowledge current (the text its clients send may change)."""
+        if not self.speculating:
+            return False
+        if self.give_up_after <= 0 or self._merit >= MERIT_FLOOR or self._plain_starts + 1 >= self.explore_every:
+            self._plain_starts = 0
+            return True
+        self._plain_starts += 1
+        return False
+
+    def _stop_speculating(self, a: _Active) -> None:
+        """The request drafts no more: its lane is emptied, its rows are no longer captured."""
+        a.speculative = False
+        a.handle.stats.stopped_speculating_at = a.handle.stats.rounds
+        if self.drafter is not None:
+            self.drafter.reset(a.slot)
+        log.debug("%s: %s stops speculating after %d probes", self.name, a.handle.id, a.probes)
+
     def _start_on_slot(self, a: _Active, keep: int) -> None:
         """Empty the slot's sequence and lane past `keep` positions (their tokens equal the prompt's)."""
         self._kept[a.slot] = np.zeros(0, dtype=np.int64)
-        if keep > 0 and self.drafter is not None and not self.drafter.can_rewind(keep, lane=a.slot):
-            keep = 0  # the lane's ring no longer holds those rows' features
+        if keep > 0 and a.speculative and not self.drafter.can_rewind(keep, lane=a.slot):
+            keep = 0  # the lane does not hold those rows' features (no longer, or never did)
         if keep > 0:
             self.target.truncate(a.slot, keep)
             if self.drafter is not None:
-                self.drafter.rewind(keep, lane=a.slot)
+                if a.speculative:
+                    self.drafter.rewind(keep, lane=a.slot)
+                else:
+                    self.drafter.reset(a.slot)
         else:
             self.target.clear_seq(a.slot)
             if self.drafter is not None:
@@ -397,6 +450,7 @@ class SpeculativeEngine:
         a.prefilled = keep
         a.in_kv = [int(t) for t in a.prompt[:keep]]
         a.handle.stats.cached_tokens = keep
+        a.handle.stats.speculative = a.speculative
         if keep:
             log.debug("%s: %s keeps %d prompt positions of sequence %d", self.name, a.handle.id, keep, a.slot)
 
@@ -405,6 +459,9 @@ class SpeculativeEngine:
         that starts with the same tokens (unless `keep` is False or the engine reuses no prefix)."""
         if self._slots[a.slot] is a:
             self._slots[a.slot] = None
+        if a.started_speculative and any(k > 0 for k in a.handle.stats.draft_lengths):
+            # a request that drafted teaches whether drafting paid for it beyond probes
+            self._merit = MERIT_DECAY * self._merit + (1 - MERIT_DECAY) * float(a.merit)
         try:
             held = self.target.n_past_of(a.slot)
             if keep and self.reuse_prefix and held == len(a.in_kv):
@@ -474,12 +531,12 @@ class SpeculativeEngine:
             owners.append((a, n, done))
             budget -= n
         t0 = time.perf_counter()
-        rows = self.target.decode_blocks(blocks)
+        rows = self.target.decode_blocks(blocks, capture=self._captures([a for a, _, _ in owners]))
         dt = time.perf_counter() - t0
         self.stats.prefill_decodes += 1
         self.stats.prefill_s += dt
         for (a, n, done), r in zip(owners, rows):
-            if self.drafter is not None:
+            if a.speculative:
                 self.drafter.add_features(self.target.features(r), lane=a.slot)
             a.in_kv.extend(int(t) for t in a.prompt[a.prefilled:a.prefilled + n])
             a.prefilled += n
@@ -490,6 +547,13 @@ class SpeculativeEngine:
                 self._emit(a, [token], row[None, :])
         return dt
 
+    def _captures(self, requests: list[_Active]) -> bool:
+        """Whether a decode of these requests' rows captures features (someone may draft)."""
+        on = any(a.speculative for a in requests)
+        if not on:
+            self.stats.plain_decodes += 1
+        return on
+
     def _choose(self, dec: list[_Active]) -> list[int]:
         if self.drafter is None or self.draft_max == 0:
             return [0] * len(dec)
@@ -499,6 +563,8 @@ class SpeculativeEngine:
         for a in dec:
             room = n_ctx_seq - self.target.n_past_of(a.slot)  # positions left for [last] + drafts
             k_max = max(0, min(self.draft_max, room - 1, a.params.max_tokens - a.generated - 1))
+            if not a.speculative:
+                k_max = 0
             reqs.append(PolicyRequest(a.est.rate(prior, 4.0), k_max, a.slot, a.idle_rounds, a.probes))
         ks = self.policy.choose(reqs, self.cost_model, self.drafter.lanes, self.max_rows)  # type: ignore[arg-type]
         if len(ks) != len(dec) or any(not is_int(k) or not 0 <= k <= r.k_max for k, r in zip(ks, reqs)) \
@@ -546,7 +612,7 @@ class SpeculativeEngine:
         blocks = [(a.slot, np.append(np.int64(a.last), d), "all") for a, d in zip(dec, drafts)]
         n_rows = sum(1 + d.size for d in drafts)
         t0 = time.perf_counter()
-        rows = target.decode_blocks(blocks)
+        rows = target.decode_blocks(blocks, capture=self._captures(dec))
         dt = time.perf_counter() - t0
         self.stats.rounds += 1
         self.stats.verify_s += dt
@@ -560,7 +626,7 @@ class SpeculativeEngine:
             else:
                 pt = target.target_probs(seg, p.temperature, p.top_k, p.top_p)
                 n_acc, out = target.accept_sampled(d, q if q is not None else np.zeros((0, seg.shape[1])), pt, a.rng)
-            if self.drafter is not None:
+            if a.speculative:
                 self.drafter.add_features(target.features(r)[:n_acc + 1], lane=a.slot)
             target.truncate(a.slot, r.pos + n_acc + 1)
             a.in_kv.append(a.last)
@@ -568,10 +634,13 @@ class SpeculativeEngine:
             a.est.observe(k, n_acc)
             self._accept.observe(k, n_acc)
             if k > 0:  # drafting after idle rounds: a probe (or a change of mind); twice in a row: on merit
+                a.merit = a.merit or a.idle_rounds == 0  # the policy's choice, not a probe
                 a.probes = a.probes + 1 if a.idle_rounds > 0 else 0
                 a.idle_rounds = 0
             else:
                 a.idle_rounds += 1
+                if a.speculative and 0 < self.give_up_after <= a.probes and not a.merit:
+                    self._stop_speculating(a)
             st = a.handle.stats
             st.draft_lengths.append(k)
             st.accepted.append(n_acc)

@@ -78,6 +78,8 @@ class RequestStats:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt positions kept from the previous request on its sequence (not decoded)
+    speculative: bool = False  # started capturing features, free to draft (else plain from the start)
+    stopped_speculating_at: int | None = None  # the verify round at which it gave drafting up
     n_tokens: int = 0  # generated tokens (the prefill's first one included, a stop token not)
     draft_lengths: list[int] = field(default_factory=list)  # k chosen per verify round
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verify round
@@ -119,7 +121,8 @@ class RequestStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "n_tokens": self.n_tokens, "rounds": self.rounds, "lane": self.lane,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "speculative": self.speculative, "stopped_speculating_at": self.stopped_speculating_at, "n_tokens": self.n_tokens, "rounds": self.rounds, "lane": self.lane,
             "tokens_per_round": self.tokens_per_round, "mean_draft_length": self.mean_draft_length,
             "draft_length_histogram": dict(sorted(Counter(self.draft_lengths).items())),
             "queue_s": self.queue_s, "total_s": self.total_s, "tokens_per_s": self.tokens_per_s,

@@ -90,3 +90,21 @@ def test_inputs_are_checked() -> None:
     with pytest.raises(HostError, match="kv_unified"):
         BatchedLlamaTarget(smollm2_path(), n_parallel=2, n_ctx=256, n_threads=THREADS, capture_layers=LAYERS,
                            capture="callback", kv_unified=False)
+
+
+@pytest.mark.parametrize("route", ["native", "callback"])
+def test_a_decode_without_capture_is_a_plain_decode(route: str) -> None:
+    """capture=False: the same logits, no features; capture resumes at the next decode asking."""
+    prompt = np.arange(300, 340, dtype=np.int64)
+    with BatchedLlamaTarget(smollm2_path(), n_parallel=2, n_ctx=512, n_threads=THREADS, capture_layers=LAYERS,
+                            capture=route) as bt:
+        with_cap = bt.decode_blocks([(0, prompt, "all")])
+        feats = bt.features(with_cap[0]).copy()
+        logits = with_cap[0].logits.copy()
+        without = bt.decode_blocks([(1, prompt, "all")], capture=False)
+        np.testing.assert_array_equal(without[0].logits, logits)
+        with pytest.raises(HostError, match="not captured"):
+            bt.features(without[0])
+        bt.clear()
+        again = bt.decode_blocks([(1, prompt, "none")])
+        np.testing.assert_array_equal(bt.features(again[0]), feats)

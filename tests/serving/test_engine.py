@@ -365,3 +365,34 @@ def test_sampled_requests_follow_the_targets_distribution(target: BatchedLlamaTa
     assert counts.sum() >= 150 and expected.min() >= 5, (counts, expected)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < CHI2_DF3_P1E4, (counts, expected, chi2)
+
+
+def test_where_drafting_does_not_pay_requests_settle_into_plain_decoding(
+        target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any) -> None:
+    """A request gives drafting up after probes that led nowhere (its rows no longer captured,
+    its lane emptied); once the requests that drafted rarely found it paid, new ones start plain,
+    but for every `explore_every`-th; decodes of plain requests only capture nothing. The output
+    stays plain greedy's throughout."""
+    dear = CostModel({1: 0.01, 2: 0.05, 8: 0.4}, {1: 0.05, 2: 0.05, 4: 0.05})  # drafting never pays
+    engine = SpeculativeEngine(target, drafter, parallel=1, policy=SpeedPolicy(probe_every=2), cost_model=dear,
+                               give_up_after=1, explore_every=4)
+    try:
+        results = [engine.submit(prompts[i % len(prompts)], greedy(16)).result(timeout=120) for i in range(14)]
+        started = [r.stats.speculative for r in results]
+        assert started[0] and results[0].stats.stopped_speculating_at is not None
+        # merit falls 1 -> 0.7 -> ... below 0.1 after 7 requests that drafted; then 3 plain, 1 explores
+        assert started[:7] == [True] * 7 and started[7:] == [False, False, False, True, False, False, False]
+        assert all(r.stats.stopped_speculating_at is not None for r, s in zip(results, started) if s)
+        assert all(set(r.stats.draft_lengths) == {0} for r, s in zip(results, started) if not s)
+        assert engine.stats.plain_decodes > 0
+        assert drafter.rings[0].written == 0  # a plain request's lane holds nothing
+    finally:
+        engine.shutdown(10)
+    for i, res in enumerate(results):
+        check_plain(res, plain(prompts[i % len(prompts)], 16), 16)
+
+    cheap = CostModel({1: 0.01, 2: 0.0101, 8: 0.0105}, {1: 0.0001, 2: 0.0001, 4: 0.0001})  # drafting pays
+    with SpeculativeEngine(target, drafter, parallel=1, cost_model=cheap, give_up_after=1, explore_every=4) as engine:
+        results = [engine.submit(prompts[i % len(prompts)], greedy(16)).result(timeout=120) for i in range(6)]
+    assert all(r.stats.speculative and r.stats.stopped_speculating_at is None for r in results)
+    assert engine.stats.plain_decodes == 0

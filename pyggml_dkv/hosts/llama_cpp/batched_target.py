@@ -237,11 +237,12 @@ class BatchedLlamaTarget:
 
     def decode(self, tokens: Sequence[int] | np.ndarray, seq_ids: Sequence[int] | np.ndarray,
                positions: Sequence[int] | np.ndarray | None = None,
-               logits: Sequence[bool] | np.ndarray | None = None) -> np.ndarray | None:
+               logits: Sequence[bool] | np.ndarray | None = None, capture: bool = True) -> np.ndarray | None:
         """One llama_decode of n rows: row i is token `tokens[i]` of sequence `seq_ids[i]` at
         `positions[i]` (default: each sequence's next positions, in row order), with logits when
         `logits[i]` (default: none). Each sequence's positions must continue its cache,
-        consecutive in row order. Captures every row's features.
+        consecutive in row order. Captures every row's features (`capture=False`: none, a plain
+        decode; `features()` then refuses).
 
         Returns the logits of the rows asked for, (n_out, n_vocab) float32 in row order (a view
         into llama.cpp's output buffer valid until the next decode; a copy when the capture made
@@ -284,6 +285,10 @@ class BatchedLlamaTarget:
             if self._n_past[s] + c > self.n_ctx_seq:
                 raise HostError(f"sequence {s}: {c} rows at position {self._n_past[s]} exceed its {self.n_ctx_seq} positions")
         cap = self.capture
+        if cap is not None:
+            cap.set_enabled(capture)
+            if not capture:
+                cap = None
         all_out = bool(cap is not None and cap.needs_all_outputs)
         self._tok[:n] = toks
         self._pos[:n] = expected
@@ -302,15 +307,15 @@ class BatchedLlamaTarget:
         self.decode_seconds += time.perf_counter() - t0
         self.decodes += 1
         if rc != 0:
-            if cap is not None:
-                cap.rows = 0
+            if self.capture is not None:
+                self.capture.rows = 0
             for s in counts:  # a failed decode may have kept some ubatches: back to the state before
                 llama_cpp.llama_memory_seq_rm(self._memory, s, self._n_past[s], -1)
             raise HostError(f"llama_decode failed with {rc} ({n} rows of sequences {sorted(counts)})")
         for s, c in counts.items():
             self._n_past[s] += c
-        if cap is not None:
-            cap.end()
+        if self.capture is not None:
+            self.capture.end()
         n_want = int(want.sum())
         if n_want == 0:
             return None
@@ -318,9 +323,10 @@ class BatchedLlamaTarget:
         out = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(n_out, self.n_vocab))
         return out[want] if all_out and n_want < n else out
 
-    def decode_blocks(self, blocks: Sequence[Block | tuple[Any, ...]]) -> list[BlockRows]:
+    def decode_blocks(self, blocks: Sequence[Block | tuple[Any, ...]], *, capture: bool = True) -> list[BlockRows]:
         """Decode blocks of rows (one or more per sequence, in order) in one batch, each appended
-        at its sequence's next positions; returns where each landed and its logits rows."""
+        at its sequence's next positions; returns where each landed and its logits rows.
+        `capture=False`: no features (decode's)."""
         if not blocks:
             raise HostError("decode_blocks needs at least one block")
         toks: list[np.ndarray] = []
@@ -353,7 +359,7 @@ class BatchedLlamaTarget:
             placed.append((s, start, t.size, p, blk.logits))
             start += t.size
         w_all = np.concatenate(want)
-        out = self.decode(np.concatenate(toks).astype(np.int64), np.concatenate(seqs), logits=w_all)
+        out = self.decode(np.concatenate(toks).astype(np.int64), np.concatenate(seqs), logits=w_all, capture=capture)
         rows: list[BlockRows] = []
         o = 0
         for s, st, n, p, lg in placed:
