@@ -1,0 +1,101 @@
+"""The DFlash-2 numpy reference against the upstream PyTorch one (the `dflash` package, 0.1.0,
+`dflash/model.py`: GroupedDynamicCausalConv, CandidateSelector.select).
+
+Kept apart from test_dflash2_reference.py because importing dflash (transformers) takes seconds.
+Upstream runs one noise block per batch row, so its convolution is `dynamic_conv` with a single
+block; its selector is given the rows after the anchor (dflash_generate's `draft_hidden[:, 1:]`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", exc_type=ImportError)
+dflash_model = pytest.importorskip("dflash.model", exc_type=ImportError)
+
+from pyggml_dkv.reference import dflash2 as D2  # noqa: E402
+
+H, K, GROUP, RANK, VOCAB, TOP_K, N = 16, 3, 4, 6, 40, 4, 6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def t64(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.float64)
+
+
+def test_conv_matches_upstream_prepare_and_finish():
+    rng = np.random.default_rng(0)
+    conv = dflash_model.GroupedDynamicCausalConv(H, K, GROUP).to(torch.float64)
+    base = rng.standard_normal((2, K, H))
+    proj = rng.standard_normal((2 * K * (H // GROUP), H)) * 0.3
+    with torch.no_grad():
+        conv.base_kernel.copy_(t64(base))
+        conv.kernel_projection.weight.copy_(t64(proj))
+    normed, inner = rng.standard_normal((N, H)), rng.standard_normal((H, H))
+
+    with torch.no_grad():
+        side0, dynamic = conv.prepare(t64(normed)[None])
+        side1 = conv.finish(torch.tanh(side0 @ t64(inner).T), dynamic)
+
+    got = D2.conv_sublayer(normed, base, proj, lambda y: np.tanh(y @ inner.T), GROUP)
+    np.testing.assert_allclose(got, side1[0].numpy(), rtol=1e-12, atol=1e-12)
+
+
+def selector(rng: np.random.Generator):
+    sel = dflash_model.CandidateSelector(
+        type("Cfg", (), {"selector_rank": RANK, "selector_top_k": TOP_K, "vocab_size": VOCAB, "hidden_size": H})()
+    ).to(torch.float64)
+    weights = dict(
+        hidden_projection=rng.standard_normal((RANK, H)),
+        predecessor_codebook=rng.standard_normal((VOCAB, RANK)),
+        successor_codebook=rng.standard_normal((VOCAB, RANK)),
+    )
+    with torch.no_grad():
+        sel.hidden_projection.weight.copy_(t64(weights["hidden_projection"]))
+        sel.predecessor_codebook.weight.copy_(t64(weights["predecessor_codebook"]))
+        sel.successor_codebook.weight.copy_(t64(weights["successor_codebook"]))
+    return sel, weights
+
+
+def test_greedy_walk_matches_upstream_select():
+    rng = np.random.default_rng(1)
+    sel, weights = selector(rng)
+    for anchor in (0, 7, 39):
+        hidden, logits = rng.standard_normal((N, H)), rng.standard_normal((N, VOCAB)) * 3
+        with torch.no_grad():
+            path, _, q = sel.select(t64(hidden[1:])[None], t64(logits[1:])[None], torch.tensor([anchor]), 0.0)
+        assert q is None
+        lattice = D2.selector_scores(hidden, logits, anchor, **weights, top_k=TOP_K)
+        np.testing.assert_array_equal(D2.greedy_walk(lattice), path[0].numpy())
+
+
+def test_sampled_distributions_match_upstream_select():
+    """Upstream draws its own path; along that path our q rows, spread over the vocabulary, must
+    equal upstream's (whose candidate order is its own). Upstream's softmax runs in float32
+    (`_sampling_probs` calls `.float()`), hence the tolerance."""
+    rng = np.random.default_rng(2)
+    sel, weights = selector(rng)
+    hidden, logits = rng.standard_normal((N, H)), rng.standard_normal((N, VOCAB))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        path, cands, q = sel.select(t64(hidden[1:])[None], t64(logits[1:])[None], torch.tensor([5]), 0.8)
+    lattice = D2.selector_scores(hidden, logits, 5, **weights, top_k=TOP_K)
+
+    tokens = path[0].numpy()
+    ours = []
+    pred = 0
+    for i, token in enumerate(tokens):
+        z = lattice.scores[i, pred] / 0.8
+        ours.append(np.exp(z - z.max()) / np.exp(z - z.max()).sum())
+        pred = int(np.flatnonzero(lattice.candidates[i] == token)[0])
+    got = D2.draft_distribution(lattice.candidates, np.array(ours), VOCAB)
+    want = D2.draft_distribution(cands[0].numpy(), q[0].numpy(), VOCAB)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
