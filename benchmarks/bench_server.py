@@ -4,11 +4,14 @@ llama.cpp's own llama-server with and without its native DFlash, and llama_cpp.s
     python benchmarks/bench_server.py                        # 1/2/4/8 clients, chat and code prompts
     python benchmarks/bench_server.py --clients 1,4 --requests 2 --max-tokens 48 --json out.json --plot out.png
 
-Every system serves the same SmolLM2-135M-Instruct GGUF on a loopback port, started, warmed up,
-all running at once; each cell measures them in turn, `--rounds` times in a rotating order. Each of C clients sends `--requests` chat requests one
-after another (greedy, `--max-tokens` each, prompts of one kind taken round robin), all clients
-at once; reported per system, kind and C: aggregate completion tokens per second (all tokens over
-the wall time from the first request to the last answer) and the median request latency.
+Every system serves the same SmolLM2-135M-Instruct GGUF on a loopback port. All are started
+first and stay up; each serves `--warmup` requests; then each cell (prompt kind x C clients)
+measures the systems in turn, `--rounds` times in a rotating order, so that the machine's drift
+over minutes falls on all alike. In a cell each of C clients sends `--requests` chat requests one
+after another (greedy, `--max-tokens` each, prompts of one kind taken round robin, each message
+tagged with its own label so no two requests are the same prompt), all clients at once; reported
+per system, kind and C: aggregate completion tokens per second (all tokens over all the wall time
+of its rounds) and the median request latency.
   ours_spec      python -m pyggml_dkv.serve, the shipped drafter, --parallel 4
   ours_plain     the same with --drafter none
   llama_server   llama.cpp's llama-server (scripts/build_llama_server.sh), -np 4
@@ -191,6 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--rounds", type=int, default=3, help="measurements of each cell per system, interleaved")
+    ap.add_argument("--warmup", type=int, default=12, help="requests each system serves before the measurements")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parallel", type=int, default=4, help="sequences of the servers that batch")
@@ -237,7 +241,9 @@ def main(argv: list[str] | None = None) -> None:
             proc = start(cmd, port, Path(tmp) / f"{name}.log")
             stack.callback(stop, proc)
             bases[name] = f"http://127.0.0.1:{port}"
-            run_load(bases[name], prompts["chat"][:1], 1, 1, 8)  # warm-up
+            # warm-up: a fresh server of ours learns from its first requests whether drafting pays
+            # on this machine (docs/server.md, "Plain requests"); every system gets the same
+            run_load(bases[name], prompts["chat"], 1, args.warmup, args.max_tokens, tag="warm")
         names = list(bases)
         for kind in args.kinds:
             for c in args.clients:

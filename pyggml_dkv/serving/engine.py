@@ -491,10 +491,12 @@ class SpeculativeEngine:
 
     def _log_done(self, a: _Active) -> None:
         st = a.handle.stats
-        log.info("%s: %s %s: %d tokens, %d rounds, %.2f tokens/round, draft lengths %s, %.3f s (queued %.3f s, "
-                 "%.1f tokens/s)", self.name, a.handle.id, a.handle.finish_reason, st.n_tokens, st.rounds,
-                 st.tokens_per_round, dict(sorted(Counter(st.draft_lengths).items())), st.total_s, st.queue_s,
-                 st.tokens_per_s)
+        mode = "plain" if not st.speculative else \
+            "speculative" if st.stopped_speculating_at is None else f"speculative until round {st.stopped_speculating_at}"
+        log.info("%s: %s %s: %d tokens (%d prompt, %d cached), %d rounds, %.2f tokens/round, draft lengths %s, %s, "
+                 "%.3f s (queued %.3f s, %.1f tokens/s)", self.name, a.handle.id, a.handle.finish_reason, st.n_tokens,
+                 st.prompt_tokens, st.cached_tokens, st.rounds, st.tokens_per_round,
+                 dict(sorted(Counter(st.draft_lengths).items())), mode, st.total_s, st.queue_s, st.tokens_per_s)
 
     # --- a round ---------------------------------------------------------------------------
 
