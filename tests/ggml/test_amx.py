@@ -5,6 +5,9 @@ Skipped where the CPU (or the kernel) offers no AMX; the checks that AMX is *not
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -187,12 +190,26 @@ def test_amx_products_of_batched_rows():
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as the kernel reports them (empty where /proc/cpuinfo is absent)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
 def test_extra_buffer_types_are_listed_by_name():
+    """What ggml lists is what this CPU can do: its repacking buffer on x86-64 (our build keeps
+    GGML_CPU_REPACK on), the AMX buffer exactly where the CPU has AMX-INT8 tiles."""
     found = cpu_extra_buffer_types()
-    assert isinstance(found, dict)
-    assert all(isinstance(k, str) and k for k in found)
-    if amx_available():
-        assert "AMX" in found
+    assert isinstance(found, dict) and all(isinstance(k, str) and k for k in found)
+    flags = cpu_flags()
+    if platform.machine() not in ("x86_64", "AMD64") or not flags:
+        pytest.skip("the expected buffer types are known for x86-64 Linux only")
+    assert "CPU_REPACK" in found
+    assert ("AMX" in found) == ({"amx_tile", "amx_int8"} <= flags), (sorted(found), sorted(f for f in flags if "amx" in f))
 
 
 @needs_amx
@@ -232,10 +249,14 @@ def test_cpu_repack_refuses_q8_0_without_the_vnni_kernel(cpu, monkeypatch):
 
 
 def test_amx_needs_the_patched_build(monkeypatch):
-    """A GGML_SRC build lacks vendor/patches/0002, whose absence means SIGILL on GCC 12: no AMX then."""
+    """On a CPU with AMX tiles our build uses them; a GGML_SRC build lacks vendor/patches/0002,
+    whose absence means SIGILL on GCC 12: no AMX then."""
     import pyggml_dkv.ggml.capabilities as G
 
-    assert G.AMX_PATCH in G.built_with_patches() or not amx_available()
+    if "AMX" not in cpu_extra_buffer_types():
+        pytest.skip("this CPU (or its kernel) offers no AMX tiles")
+    monkeypatch.delenv("PYGGML_DKV_NO_AMX", raising=False)
+    assert G.AMX_PATCH in G.built_with_patches() and G.amx_available()
     monkeypatch.setattr(G, "built_with_patches", lambda: ())
     assert not G.amx_available()
 
