@@ -31,12 +31,14 @@ A round:
 
 Plain requests. Capturing the target's features costs every decode some time (llama.cpp copies
 the captured layers' rows out: 4-8% of a 1-row SmolLM2 decode on a 2-core Zen 4), and only
-requests that may draft need them. A request stops speculating (its lane is emptied, its rows no
-longer captured) once it has probed `give_up_after` times without the policy ever drafting for it
-otherwise (a drafting round that is not a probe: the first round, or one right after drafting). The engine remembers, decayed over the requests that drafted, how often
-drafting paid beyond probes (SpeedPolicy only: a fixed policy drafts what it is told); while that is under 10%, a new request starts plain, except every
-`explore_every`-th, which keeps the estimate current. A decode in which no request speculates
-captures nothing: where drafting does not pay, the server settles into plain decoding.
+requests that may draft need them. A request that, after `give_up_rounds` verify rounds, drafted
+in fewer than a quarter of them (probes included) stops speculating: its lane is emptied, its
+rows are no longer captured. The engine remembers, decayed over the requests that ran that long
+speculatively, the share of them that drafted in at least a quarter of their rounds; while that
+is under 10%, a new request starts plain, except every `explore_every`-th, which keeps the
+estimate current. A decode in which no request speculates captures nothing: where drafting does
+not pay, the server settles into plain decoding. (SpeedPolicy only: a fixed draft length is
+drafted as told.)
 
 The engine lives in the serving layer, which may not import the hosts layer: it drives the
 target through the target's own methods (`decode_blocks`, `features`, `truncate`, `clear_seq`,
@@ -68,8 +70,9 @@ __all__ = ["EngineClosedError", "EngineError", "QueueFullError", "RequestHandle"
            "RequestResult", "RequestStats", "SpeculativeEngine"]
 
 _ids = itertools.count(1)
-MERIT_FLOOR = 0.1  # below: recent speculative requests (nearly) never drafted on merit
-MERIT_DECAY = 0.7  # per finished request that drafted
+DRAFT_SHARE = 0.25  # a request that drafts in fewer of its rounds is not worth its capture
+MERIT_FLOOR = 0.1  # below: recent speculative requests (nearly) never drafted that often
+MERIT_DECAY = 0.7  # per request that ran give_up_rounds rounds speculatively
 
 
 @dataclass
@@ -89,7 +92,7 @@ class _Active:
     probes: int = 0  # drafting rounds after idle ones since it last drafted twice in a row
     speculative: bool = False  # its features are captured, its lane kept: it may draft
     started_speculative: bool = False
-    merit: bool = False  # it drafted in a round that was not a probe (the policy found drafting paid)
+    drafting_rounds: int = 0  # verify rounds in which it drafted
     est: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
     @property
@@ -131,15 +134,15 @@ class SpeculativeEngine:
     starts on the free sequence whose previous request's tokens share the longest prefix with its
     prompt and keeps those positions (the target's KV cells and the drafter lane's features), as
     llama-server's prompt cache does; False: every request starts from an empty sequence.
-    give_up_after, explore_every: when a request stops speculating and when new ones start
-    without (the engine docstring, "Plain requests"); give_up_after=0: never.
+    give_up_rounds, explore_every: when a request stops speculating and when new ones start
+    without (the module docstring, "Plain requests"); give_up_rounds=0: never.
     The engine does not own the target or the drafter (it leaves them empty at shutdown).
     """
 
     def __init__(self, target: Any, drafter: Any = None, *, parallel: int | None = None, max_queue: int = 16,
                  draft_max: int | None = None, policy: DraftPolicy | None = None,
                  cost_model: CostModel | None = None, prefill_chunk: int | None = None, seed: int = 0,
-                 reuse_prefix: bool = True, give_up_after: int = 2, explore_every: int = 8,
+                 reuse_prefix: bool = True, give_up_rounds: int = 32, explore_every: int = 8,
                  name: str = "spec-engine") -> None:
         if getattr(target, "closed", True):
             raise EngineError("the target is closed (or not a BatchedLlamaTarget)")
@@ -178,16 +181,16 @@ class SpeculativeEngine:
             drafter.reset()
         speculating = drafter is not None and self.draft_max > 0
         self._calibrate = cost_model is None and speculating and getattr(self.policy, "needs_costs", True)
-        for name, value, lo in (("give_up_after", give_up_after, 0), ("explore_every", explore_every, 1)):
+        for name, value, lo in (("give_up_rounds", give_up_rounds, 0), ("explore_every", explore_every, 1)):
             if not is_int(value) or value < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
         # only a policy that weighs costs can find that drafting does not pay
-        self.give_up_after = int(give_up_after) if getattr(self.policy, "needs_costs", True) else 0
+        self.give_up_rounds = int(give_up_rounds) if getattr(self.policy, "needs_costs", True) else 0
         self.explore_every = int(explore_every)
         self.cost_model = cost_model
         self.stats = EngineStats()
         self._accept = AcceptanceEstimate(decay=0.99)  # engine-wide: the prior of a new request
-        # engine-wide: how often recent speculative requests drafted on merit (decayed per
+        # engine-wide: how often recent speculative requests drafted often enough (decayed per
         # request), and new requests started plain since the last speculative one (docs/server.md)
         self._merit = 1.0
         self._plain_starts = 0
@@ -413,11 +416,11 @@ class SpeculativeEngine:
 
     def _starts_speculative(self) -> bool:
         """Whether a new request captures features (and may draft): yes while recent speculative
-        requests drafted on merit now and then; else only every `explore_every`-th new request,
+        requests drafted often enough now and then; else only every `explore_every`-th new request,
         which keeps the engine's knowledge current (the text its clients send may change)."""
         if not self.speculating:
             return False
-        if self.give_up_after <= 0 or self._merit >= MERIT_FLOOR or self._plain_starts + 1 >= self.explore_every:
+        if self.give_up_rounds <= 0 or self._merit >= MERIT_FLOOR or self._plain_starts + 1 >= self.explore_every:
             self._plain_starts = 0
             return True
         self._plain_starts += 1
@@ -429,7 +432,8 @@ class SpeculativeEngine:
         a.handle.stats.stopped_speculating_at = a.handle.stats.rounds
         if self.drafter is not None:
             self.drafter.reset(a.slot)
-        log.debug("%s: %s stops speculating after %d probes", self.name, a.handle.id, a.probes)
+        log.debug("%s: %s stops speculating: drafted in %d of %d rounds", self.name, a.handle.id,
+                  a.drafting_rounds, a.handle.stats.rounds)
 
     def _start_on_slot(self, a: _Active, keep: int) -> None:
         """Empty the slot's sequence and lane past `keep` positions (their tokens equal the prompt's)."""
@@ -459,9 +463,10 @@ class SpeculativeEngine:
         that starts with the same tokens (unless `keep` is False or the engine reuses no prefix)."""
         if self._slots[a.slot] is a:
             self._slots[a.slot] = None
-        if a.started_speculative and any(k > 0 for k in a.handle.stats.draft_lengths):
-            # a request that drafted teaches whether drafting paid for it beyond probes
-            self._merit = MERIT_DECAY * self._merit + (1 - MERIT_DECAY) * float(a.merit)
+        if a.started_speculative and self.give_up_rounds > 0 and a.handle.stats.rounds >= self.give_up_rounds:
+            # a request that ran long enough teaches whether drafting paid for it
+            often = a.speculative and a.drafting_rounds >= DRAFT_SHARE * a.handle.stats.rounds
+            self._merit = MERIT_DECAY * self._merit + (1 - MERIT_DECAY) * float(often)
         try:
             held = self.target.n_past_of(a.slot)
             if keep and self.reuse_prefix and held == len(a.in_kv):
@@ -636,12 +641,13 @@ class SpeculativeEngine:
             a.est.observe(k, n_acc)
             self._accept.observe(k, n_acc)
             if k > 0:  # drafting after idle rounds: a probe (or a change of mind); twice in a row: on merit
-                a.merit = a.merit or a.idle_rounds == 0  # the policy's choice, not a probe
+                a.drafting_rounds += 1
                 a.probes = a.probes + 1 if a.idle_rounds > 0 else 0
                 a.idle_rounds = 0
             else:
                 a.idle_rounds += 1
-                if a.speculative and 0 < self.give_up_after <= a.probes and not a.merit:
+                if a.speculative and 0 < self.give_up_rounds <= a.handle.stats.rounds + 1 and \
+                        a.drafting_rounds < DRAFT_SHARE * (a.handle.stats.rounds + 1):
                     self._stop_speculating(a)
             st = a.handle.stats
             st.draft_lengths.append(k)
