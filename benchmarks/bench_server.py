@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
+from machine import cpu_family_model, cpu_name, git_commit  # noqa: E402  (benchmarks/machine.py)
 
 log = logging.getLogger("bench_server")
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,8 +226,9 @@ def main(argv: list[str] | None = None) -> None:
         if server is None:
             log.warning("llama-server unavailable, its systems are left out: %s", built.stderr[-500:])
     prompts = {"chat": tuple(HELD_OUT_PROMPTS[:8]), "code": CODE_PROMPTS}
-    results: dict = {"cpu": cpu_name(), "threads": args.threads, "max_tokens": args.max_tokens,
-                     "requests": args.requests, "parallel": args.parallel, "runs": {}}
+    results: dict = {"cpu": cpu_name(), "cpu_id": cpu_family_model(), "commit": git_commit(), "threads": args.threads,
+                     "max_tokens": args.max_tokens, "requests": args.requests, "parallel": args.parallel, "rounds": args.rounds,
+                     "warmup": args.warmup, "runs": {}}
     # every system is started first and left running; each (kind, clients) cell then measures the
     # systems in turn, `--rounds` times in a rotating order, so that the machine's drift over minutes
     # falls on all of them alike (an idle server costs nothing: each waits on a condition or a socket)
