@@ -640,7 +640,7 @@ class SpeculativeEngine:
             a.in_kv.extend(int(t) for t in d[:n_acc])
             a.est.observe(k, n_acc)
             self._accept.observe(k, n_acc)
-            if k > 0:  # drafting after idle rounds: a probe (or a change of mind); twice in a row: on merit
+            if k > 0:  # drafting after idle rounds: a probe (or a change of mind)
                 a.drafting_rounds += 1
                 a.probes = a.probes + 1 if a.idle_rounds > 0 else 0
                 a.idle_rounds = 0

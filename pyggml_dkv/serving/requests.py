@@ -121,8 +121,9 @@ class RequestStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-            "speculative": self.speculative, "stopped_speculating_at": self.stopped_speculating_at, "n_tokens": self.n_tokens, "rounds": self.rounds, "lane": self.lane,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "speculative": self.speculative,
+            "stopped_speculating_at": self.stopped_speculating_at, "n_tokens": self.n_tokens, "rounds": self.rounds,
+            "lane": self.lane,
             "tokens_per_round": self.tokens_per_round, "mean_draft_length": self.mean_draft_length,
             "draft_length_histogram": dict(sorted(Counter(self.draft_lengths).items())),
             "queue_s": self.queue_s, "total_s": self.total_s, "tokens_per_s": self.tokens_per_s,

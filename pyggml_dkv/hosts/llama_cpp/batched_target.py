@@ -326,7 +326,7 @@ class BatchedLlamaTarget:
     def decode_blocks(self, blocks: Sequence[Block | tuple[Any, ...]], *, capture: bool = True) -> list[BlockRows]:
         """Decode blocks of rows (one or more per sequence, in order) in one batch, each appended
         at its sequence's next positions; returns where each landed and its logits rows.
-        `capture=False`: no features (decode's)."""
+        `capture=False`: a plain decode, no features (as in decode)."""
         if not blocks:
             raise HostError("decode_blocks needs at least one block")
         toks: list[np.ndarray] = []

@@ -151,11 +151,11 @@ class CallbackCapture(FeatureCapture):
         return True
 
     def end(self) -> None:
-        if self.error is not None:
-            raise HostError(f"feature capture failed: {self.error!r}") from self.error
-        if not self.enabled:
+        if not self.enabled:  # begin() did not run: nothing of this decode to check
             self.rows = 0
             return
+        if self.error is not None:
+            raise HostError(f"feature capture failed: {self.error!r}") from self.error
         if len(set(self._cursor)) != 1:
             raise HostError(f"captured layers have different row counts {self._cursor}")
         self.rows = self._cursor[0]
