@@ -36,6 +36,7 @@ torch = pytest.importorskip("torch", exc_type=ImportError)
 transformers = pytest.importorskip("transformers", exc_type=ImportError)
 dflash_model = pytest.importorskip("dflash.model", exc_type=ImportError)
 
+from tests.torch_threads import torch_threads  # noqa: E402
 from pyggml_dkv.common.numeric import relative_error  # noqa: E402
 from pyggml_dkv import reference as R  # noqa: E402
 from pyggml_dkv.model.weights import load_checkpoint  # noqa: E402
@@ -50,10 +51,8 @@ BLOCK, TARGET_IDS, VOCAB, MASK_ID = 8, [1, 3, 5], 500, 499
 
 @pytest.fixture(autouse=True, scope="module")
 def _few_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(torch, 2):
+        yield
 
 
 def qwen3_config(*, layer_types=None, sliding_window=None, rope_theta=10000.0, rope_scaling=None,

@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", exc_type=ImportError)
 dflash_model = pytest.importorskip("dflash.model", exc_type=ImportError)
 
+from tests.torch_threads import torch_threads  # noqa: E402
 from pyggml_dkv.reference import dflash2 as D2  # noqa: E402
 
 H, K, GROUP, RANK, VOCAB, TOP_K, N = 16, 3, 4, 6, 40, 4, 6
@@ -21,10 +22,8 @@ H, K, GROUP, RANK, VOCAB, TOP_K, N = 16, 3, 4, 6, 40, 4, 6
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(torch, 1):
+        yield
 
 
 def t64(x: np.ndarray) -> torch.Tensor:
