@@ -91,7 +91,6 @@ class _Active:
     idle_rounds: int = 0  # verify rounds since it last drafted
     probes: int = 0  # drafting rounds after idle ones since it last drafted twice in a row
     speculative: bool = False  # its features are captured, its lane kept: it may draft
-    started_speculative: bool = False
     drafting_rounds: int = 0  # verify rounds in which it drafted
     est: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
@@ -179,8 +178,8 @@ class SpeculativeEngine:
             target.clear_seq(s)
         if drafter is not None:
             drafter.reset()
-        speculating = drafter is not None and self.draft_max > 0
-        self._calibrate = cost_model is None and speculating and getattr(self.policy, "needs_costs", True)
+        self.speculating = drafter is not None and self.draft_max > 0
+        self._calibrate = cost_model is None and self.speculating and getattr(self.policy, "needs_costs", True)
         for name, value, lo in (("give_up_rounds", give_up_rounds, 0), ("explore_every", explore_every, 1)):
             if not is_int(value) or value < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
@@ -194,7 +193,6 @@ class SpeculativeEngine:
         # request), and new requests started plain since the last speculative one (docs/server.md)
         self._merit = 1.0
         self._plain_starts = 0
-        self.speculating = self.drafter is not None and self.draft_max > 0
         self._rng = np.random.default_rng(seed)
         self._cv = threading.Condition()
         self._waiting: deque[tuple[RequestHandle, np.ndarray]] = deque()
@@ -389,7 +387,7 @@ class SpeculativeEngine:
             slot, keep = self._pick_slot_locked(toks)
             p = handle.params
             a = _Active(handle, toks, slot, np.random.default_rng(p.seed), frozenset(int(t) for t in p.stop_token_ids))
-            a.speculative = a.started_speculative = self._starts_speculative()
+            a.speculative = self._starts_speculative()
             self._start_on_slot(a, keep)
             self._slots[slot] = a
             handle.stats.started_at = time.perf_counter()
@@ -463,7 +461,7 @@ class SpeculativeEngine:
         that starts with the same tokens (unless `keep` is False or the engine reuses no prefix)."""
         if self._slots[a.slot] is a:
             self._slots[a.slot] = None
-        if a.started_speculative and self.give_up_rounds > 0 and a.handle.stats.rounds >= self.give_up_rounds:
+        if a.handle.stats.speculative and self.give_up_rounds > 0 and a.handle.stats.rounds >= self.give_up_rounds:
             # a request that ran long enough teaches whether drafting paid for it
             often = a.speculative and a.drafting_rounds >= DRAFT_SHARE * a.handle.stats.rounds
             self._merit = MERIT_DECAY * self._merit + (1 - MERIT_DECAY) * float(often)
