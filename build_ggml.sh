@@ -8,10 +8,12 @@
 #   GGML_CUDA=1 ./build_ggml.sh     + CUDA backend (cuBLAS from the toolkit or the nvidia-cublas wheel)
 #   GGML_RPC=0 ./build_ggml.sh      without the RPC backend (built by default)
 #   GGML_SRC=/path ./build_ggml.sh  build a ggml checkout of your own instead of the pin
+#   GGML_PATCHES=none ./build_ggml.sh  build the pinned ggml without vendor/patches (default: all)
 #
 # Other knobs: CUDA_ARCHITECTURES (default: native when a GPU is visible, else 90),
 # GGML_BUILD_TYPE (Release), GGML_JOBS (nproc), GGML_SANITIZE=address (ASan build),
-# GGML_OFFLINE=1 (never touch the network: the sdist must already be in vendor/downloads/).
+# GGML_OFFLINE=1 (never touch the network: the sdist must already be in vendor/downloads/ or in
+# one of the pin's GGML_SDIST_SEARCH_DIRS).
 #
 # Idempotent: a second run with the same source and options returns in well under a second.
 set -euo pipefail
@@ -35,6 +37,14 @@ fetch_pinned_source() {
     fi
     local dl="$VENDOR/downloads" sdist="$VENDOR/downloads/$GGML_SDIST_FILE"
     mkdir -p "$dl"
+    # a copy downloaded elsewhere (the pin's GGML_SDIST_SEARCH_DIRS): taken as is, checked below
+    local dir
+    for dir in ${GGML_SDIST_SEARCH_DIRS:-}; do
+        if [ ! -f "$sdist" ] && [ -f "$dir/$GGML_SDIST_FILE" ]; then
+            say "using $dir/$GGML_SDIST_FILE"
+            cp "$dir/$GGML_SDIST_FILE" "$sdist.part" && mv "$sdist.part" "$sdist"
+        fi
+    done
     if [ ! -f "$sdist" ]; then
         [ "${GGML_OFFLINE:-0}" = 1 ] && die "GGML_OFFLINE=1 but $sdist is missing; copy it there or unset GGML_OFFLINE"
         say "downloading $GGML_PYPI_REQUIREMENT (source distribution) with pip"
@@ -65,21 +75,31 @@ fetch_pinned_source() {
     [ ${#PATCHES[@]} -eq 0 ] || command -v patch >/dev/null || die "patch not found (apt-get install patch)"
     for p in "${PATCHES[@]}"; do
         say "applying $(basename "$p")"
-        patch -s -p1 -d "$tmp/$GGML_SDIST_SUBDIR" < "$p" || die "patch $(basename "$p") does not apply to ggml $GGML_VERSION"
+        patch -s -p1 --fuzz=0 -d "$tmp/$GGML_SDIST_SUBDIR" < "$p" \
+            || { rm -rf "$tmp"; die "patch $(basename "$p") does not apply to ggml $GGML_VERSION (GGML_PATCHES=none builds it unpatched)"; }
     done
+    # llama.cpp's copy of ggml lacks ggml.pc.in, which ggml's CMakeLists configures when it is the
+    # top-level project; we delete the pkg-config file after the install anyway, so a stub will do
+    [ -f "$tmp/$GGML_SDIST_SUBDIR/ggml.pc.in" ] \
+        || echo "# pkg-config file not shipped in the llama.cpp copy of ggml (build_ggml.sh)" > "$tmp/$GGML_SDIST_SUBDIR/ggml.pc.in"
     rm -rf "$dest"
     mv "$tmp/$GGML_SDIST_SUBDIR" "$dest"
     rm -rf "$tmp"
     echo "$SOURCE_ID" > "$stamp"
 }
 
-# our small patches to the pinned source (vendor/patches/README.md); part of the source identity
-shopt -s nullglob
-PATCHES=("$VENDOR"/patches/*.patch)
-shopt -u nullglob
+# our small patches to the pinned source (vendor/patches/README.md); part of the source identity.
+# GGML_PATCHES=none builds the pinned release as it is (the port to a new release starts there).
+case "${GGML_PATCHES:-all}" in
+    all)  shopt -s nullglob; PATCHES=("$VENDOR"/patches/*.patch); shopt -u nullglob ;;
+    none) PATCHES=() ;;
+    *)    die "GGML_PATCHES=${GGML_PATCHES} (expected all or none)" ;;
+esac
 SOURCE_ID="$GGML_SDIST_SHA256"
 if [ ${#PATCHES[@]} -gt 0 ]; then
     SOURCE_ID="$SOURCE_ID+$(cat "${PATCHES[@]}" | sha256sum | cut -c1-16)"
+else
+    SOURCE_ID="$SOURCE_ID+unpatched"
 fi
 
 if [ -n "${GGML_SRC:-}" ]; then

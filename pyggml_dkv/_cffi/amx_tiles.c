@@ -4,17 +4,52 @@
    thread and trust it from then on. In a host process llama.cpp's ggml runs them on the thread that
    calls llama_decode, which other code may have left with other tiles: oneDNN (PyTorch's bf16 matmuls)
    releases them after its kernels, and llama.cpp's next tile instruction then dies of SIGILL. A host
-   calls this before handing the thread to llama.cpp (hosts/llama_cpp/target.py). Our own ggml reloads
-   its tiles before each use (vendor/patches/0002, 0009) and puts this configuration back (0028, 0029)
-   with the same function of our patched ggml-cpu (vendor/patches/0031), which this wraps. */
+   calls this before handing the thread to llama.cpp (hosts/llama_cpp/target.py).
 
-#include <stdbool.h>
+   Self-contained (no function of a patched ggml-cpu): plain inline assembly and a run-time answer
+   from Linux rather than the compiler's AMX flags, so the host can load llama.cpp's configuration
+   whatever our ggml was built for. ggml_tile_config_init's values as of ggml 0.25.3 (tiles 0-1: B,
+   8 rows x 64 bytes; 2-3: A, 16 x 32; 4-7: C, 16 x 64). */
+
+#include <stdint.h>
+#include <string.h>
 
 #include "custom_ops.h"
 
-/* ggml-cpu-impl.h (not on this module's include path: it needs ggml-cpu's internal headers) */
-bool ggml_cpu_amx_load_matmul_config(void);
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_permitted(void) {
+    static int state = -1;  /* the answer cannot change within a process */
+    if (state < 0) {
+        /* Linux hands out the tile state on request (ggml's AMX buffer asks too); a CPU without
+           AMX gets an error */
+        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    }
+    return state;
+}
 
 int pyggml_dkv_load_ggml_matmul_tiles(void) {
-    return ggml_cpu_amx_load_matmul_config() ? 1 : 0;
+    static const uint8_t  rows[8]  = {8, 8, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 32, 32, 64, 64, 64, 64};
+    if (!amx_permitted()) {
+        return 0;
+    }
+    _Alignas(64) uint8_t cfg[64];
+    memset(cfg, 0, sizeof(cfg));
+    cfg[0] = 1;  /* palette */
+    for (int t = 0; t < 8; t++) {
+        memcpy(cfg + 16 + 2*t, &colsb[t], 2);  /* little-endian u16 */
+        cfg[48 + t] = rows[t];
+    }
+    /* an "m" operand of the whole 64 bytes, so the compiler keeps every store above (GCC 12 dropped
+       them before _tile_loadconfig, which declares an 8-byte read) */
+    __asm__ __volatile__("ldtilecfg %0" : : "m"(*(const uint8_t (*)[64]) cfg) : "memory");
+    return 1;
 }
+#else
+int pyggml_dkv_load_ggml_matmul_tiles(void) {
+    return 0;
+}
+#endif

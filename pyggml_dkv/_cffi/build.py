@@ -83,6 +83,9 @@ def make_ffibuilder() -> FFI:
         cdefs += (HERE / f"cdefs_{name}.h").read_text()
         includes.append(f"ggml-{name}.h")
         libraries.insert(0, f"ggml-{name}")
+    if "rpc" in optional and "ggml_backend_rpc_failed" in (INCLUDE_DIR / "ggml-rpc.h").read_text():
+        # our RPC error patch (failures as errors, not aborts); an unpatched ggml aborts instead
+        cdefs += (HERE / "cdefs_rpc_errors.h").read_text()
     source = "\n".join(f'#include "{h}"' for h in [*includes, "custom_ops.h"]) + "\n" + stamp_source()
     archives = [str(LIB_DIR / f"lib{name}.a") for name in libraries]
     # an ASan build of ggml (GGML_SANITIZE=address) instruments our own C too (the custom ops)

@@ -19,7 +19,7 @@ enum ggml_type {
     GGML_TYPE_COUNT, ...
 };
 
-enum ggml_prec { GGML_PREC_DEFAULT, GGML_PREC_F32, ... };
+enum ggml_prec { GGML_PREC_UNDEFINED, GGML_PREC_DEFAULT, GGML_PREC_F32, GGML_PREC_BF16, ... };
 enum ggml_op { GGML_OP_NONE, ... };
 enum ggml_log_level { GGML_LOG_LEVEL_NONE, GGML_LOG_LEVEL_DEBUG, GGML_LOG_LEVEL_INFO,
                       GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT, ... };
@@ -112,7 +112,9 @@ struct ggml_tensor * ggml_cast(struct ggml_context * ctx, struct ggml_tensor * a
 
 /* ops */
 struct ggml_tensor * ggml_mul_mat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
-void ggml_mul_mat_set_prec(struct ggml_tensor * a, enum ggml_prec prec);
+/* the accumulator precision of a product or an attention (ggml_mul_mat_set_prec and
+   ggml_flash_attn_ext_set_prec are deprecated aliases in ggml 0.25.3); false: the op has none */
+bool ggml_prec_set_acc(struct ggml_tensor * a, enum ggml_prec prec);
 struct ggml_tensor * ggml_rms_norm(struct ggml_context * ctx, struct ggml_tensor * a, float eps);
 struct ggml_tensor * ggml_mul(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 struct ggml_tensor * ggml_add(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
@@ -133,7 +135,6 @@ struct ggml_tensor * ggml_rope_ext(struct ggml_context * ctx, struct ggml_tensor
         float attn_factor, float beta_fast, float beta_slow);
 struct ggml_tensor * ggml_flash_attn_ext(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
         struct ggml_tensor * v, struct ggml_tensor * mask, float scale, float max_bias, float logit_softcap);
-void ggml_flash_attn_ext_set_prec(struct ggml_tensor * a, enum ggml_prec prec);
 struct ggml_tensor * ggml_set_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, struct ggml_tensor * c);
 struct ggml_tensor * ggml_get_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 
@@ -203,7 +204,7 @@ void ggml_backend_synchronize(ggml_backend_t backend);
 enum ggml_status ggml_backend_graph_compute(ggml_backend_t backend, struct ggml_cgraph * cgraph);
 bool ggml_backend_supports_op(ggml_backend_t backend, const struct ggml_tensor * op);
 
-struct ggml_backend_dev_caps { bool async; bool host_buffer; bool buffer_from_host_ptr; bool events; };
+struct ggml_backend_dev_caps { bool async; bool host_buffer; bool buffer_from_host_ptr; bool events; bool mmap_support; };
 struct ggml_backend_dev_props {
     const char * name;
     const char * description;

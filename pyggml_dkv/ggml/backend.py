@@ -90,7 +90,8 @@ class Backend(Owned):
         try:
             info = rpc.probe(endpoint, timeout_s, spec)
             with Backend._rpc_init_lock:  # the timeout applies to the connection ggml opens next
-                lib.ggml_backend_rpc_set_timeout_ms(max(1, round(timeout_s * 1000)))
+                if hasattr(lib, "ggml_backend_rpc_set_timeout_ms"):  # our RPC error patch; else no timeout
+                    lib.ggml_backend_rpc_set_timeout_ms(max(1, round(timeout_s * 1000)))
                 handle = lib.ggml_backend_rpc_init(str(endpoint).encode(), 0)
             if handle == ffi.NULL:
                 raise BackendUnavailableError(f"RPC server {endpoint} ({spec!r}) answered the handshake, then ggml could not "
@@ -144,7 +145,8 @@ class Backend(Owned):
     def failed(self) -> bool:
         """An RPC backend whose connection failed (server gone, stalled past the timeout, bad
         reply). Nothing computed on it since can be trusted; it never recovers: re-create it."""
-        return self.kind == "rpc" and not self.closed and bool(lib.ggml_backend_rpc_failed(self._handle))
+        return (self.kind == "rpc" and not self.closed and hasattr(lib, "ggml_backend_rpc_failed")
+                and bool(lib.ggml_backend_rpc_failed(self._handle)))
 
     def check_connection(self) -> None:
         """Raise RemoteBackendError if this is an RPC backend whose connection failed."""

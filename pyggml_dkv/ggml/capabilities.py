@@ -144,9 +144,10 @@ def built_with_patches() -> tuple[str, ...]:
 
 
 # CPU flash attention with bf16 products on AMX tiles (vendor/patches/0009): ggml's precision
-# GGML_PREC_BF16, a value only the patched ggml knows (an unpatched one aborts on it)
+# GGML_PREC_BF16 (ggml 0.25.3 has the value, 15; our patch to ggml 0.10.1 added it as 16). ggml's
+# own CPU flash attention aborts on it, so it is asked for only where bf16_attention_supported().
 BF16_ATTENTION_PATCH = "0009-cpu-flash-attn-bf16-amx.patch"
-GGML_PREC_BF16 = 16
+GGML_PREC_BF16 = int(lib.GGML_PREC_BF16)
 
 
 def bf16_attention_supported() -> bool:

@@ -88,9 +88,9 @@ class AttentionOps(OpBuilder):
                                                  finite("flash_attn_ext", "max_bias", max_bias),
                                                  finite("flash_attn_ext", "logit_softcap", logit_softcap)))
         if prec_f32:
-            lib.ggml_flash_attn_ext_set_prec(out.ptr, lib.GGML_PREC_F32)
+            lib.ggml_prec_set_acc(out.ptr, lib.GGML_PREC_F32)
         elif prec_bf16:
-            lib.ggml_flash_attn_ext_set_prec(out.ptr, GGML_PREC_BF16)
+            lib.ggml_prec_set_acc(out.ptr, GGML_PREC_BF16)
         out._ndim = 4
         return out
 

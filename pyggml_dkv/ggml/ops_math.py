@@ -91,7 +91,7 @@ class MathOps(OpBuilder):
         self._reserve(None)
         out = self._wrap(lib.ggml_mul_mat(self.handle, a.ptr, b.ptr))
         if prec_f32:
-            lib.ggml_mul_mat_set_prec(out.ptr, lib.GGML_PREC_F32)
+            lib.ggml_prec_set_acc(out.ptr, lib.GGML_PREC_F32)
         out._ndim = max(2, b.ndim)
         return out
 
