@@ -8,7 +8,8 @@
 #   GGML_CUDA=1 ./build_ggml.sh     + CUDA backend (cuBLAS from the toolkit or the nvidia-cublas wheel)
 #   GGML_RPC=0 ./build_ggml.sh      without the RPC backend (built by default)
 #   GGML_SRC=/path ./build_ggml.sh  build a ggml checkout of your own instead of the pin
-#   GGML_PATCHES=none ./build_ggml.sh  build the pinned ggml without vendor/patches (default: all)
+#   GGML_PATCHES=none ./build_ggml.sh  build the pinned ggml without our patches (default: all, i.e.
+#                                      vendor/patches/ggml-$GGML_VERSION/*.patch)
 #
 # Other knobs: CUDA_ARCHITECTURES (default: native when a GPU is visible, else 90),
 # GGML_BUILD_TYPE (Release), GGML_JOBS (nproc), GGML_SANITIZE=address (ASan build),
@@ -88,10 +89,13 @@ fetch_pinned_source() {
     echo "$SOURCE_ID" > "$stamp"
 }
 
-# our small patches to the pinned source (vendor/patches/README.md); part of the source identity.
-# GGML_PATCHES=none builds the pinned release as it is (the port to a new release starts there).
+# our small patches to the pinned source (vendor/patches/README.md), one series per pinned release
+# (vendor/patches/ggml-<version>/; older series are kept beside it for reference, never applied);
+# part of the source identity. GGML_PATCHES=none builds the pinned release as it is (the port to a
+# new release starts there).
+PATCH_DIR="$VENDOR/patches/ggml-$GGML_VERSION"
 case "${GGML_PATCHES:-all}" in
-    all)  shopt -s nullglob; PATCHES=("$VENDOR"/patches/*.patch); shopt -u nullglob ;;
+    all)  shopt -s nullglob; PATCHES=("$PATCH_DIR"/*.patch); shopt -u nullglob ;;
     none) PATCHES=() ;;
     *)    die "GGML_PATCHES=${GGML_PATCHES} (expected all or none)" ;;
 esac
@@ -106,7 +110,7 @@ if [ -n "${GGML_SRC:-}" ]; then
     SRC="$(cd "$GGML_SRC" 2>/dev/null && pwd)" || die "GGML_SRC=$GGML_SRC is not a directory"
     [ -f "$SRC/include/ggml.h" ] && [ -f "$SRC/CMakeLists.txt" ] || die "GGML_SRC=$SRC does not look like a ggml tree (no include/ggml.h or CMakeLists.txt)"
     SRC_ID="custom:$SRC"
-    [ ${#PATCHES[@]} -gt 0 ] && say "note: vendor/patches are not applied to GGML_SRC (slower CPU kernels; q8_0 weights stay off AMX)"
+    [ ${#PATCHES[@]} -gt 0 ] && say "note: vendor/patches/ggml-$GGML_VERSION is not applied to GGML_SRC (ggml's own kernels and bugs)"
 else
     fetch_pinned_source
     SRC="$VENDOR/ggml"

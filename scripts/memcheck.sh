@@ -39,7 +39,7 @@ if [ ! -f "$PREFIX/lib/libggml-cpu.a" ] || [ "$(cat "$PREFIX/.source" 2>/dev/nul
     sed -n 's/^set(GGML_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\))/\2/p' "$SRC/CMakeLists.txt" | paste -sd. > "$PREFIX/version"
     echo "cpu-memcheck" > "$PREFIX/variant"
     if [ "$SRC_ID" != custom ]; then
-        (cd "$ROOT/vendor/patches" && ls -1 -- *.patch 2>/dev/null) > "$PREFIX/patches" || true
+        (cd "$ROOT/vendor/patches/ggml-$(cat "$PREFIX/version")" && ls -1 -- *.patch 2>/dev/null) > "$PREFIX/patches" || true
     else
         : > "$PREFIX/patches"
     fi

@@ -231,6 +231,48 @@ def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
     np.testing.assert_allclose(got[0, 5], v[266], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("n_q,n_kv", [(64, 267), (70, 267), (9, 267), (1, 600)])
+def test_flash_attn_ext_masked_non_finite_keys_stay_out(rng, kv_type, n_threads, n_q, n_kv):
+    """Keys no query row may see (unused cache rows) hold NaN and inf: whichever CPU kernel runs
+    (ggml's tiled one from 64 query rows per head, its per-row one below that, its split-KV one for
+    a single row and 512+ keys, or ours), they must not reach the output. ggml 0.25.3's tiled kernel
+    returned NaN for every row here (port plan, P5: masked scores exactly -inf, unseen V rows zero).
+    Whole masked tiles, an unseen key inside a computed tile, the partial last tile; a row that
+    sees only the last key returns that key's value."""
+    d, n_head = 64, 2
+    q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((n_kv, n_head, d)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_head, d)).astype(np.float32)
+    if kv_type == "f16":
+        k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+    visible = rng.random((n_q, n_kv)) < 0.7
+    visible[:, 0] = True
+    visible[:, 64:128] = False
+    visible[:, 130] = False
+    visible[:, 200:210] = False
+    if n_q > 1:
+        visible[n_q - 1] = False
+        visible[n_q - 1, n_kv - 1] = True
+    mask = np.where(visible, 0, -np.inf).astype(np.float16)
+    k_bad, v_bad = k.copy(), v.copy()
+    k_bad[64:128], v_bad[64:128] = np.nan, np.nan
+    k_bad[130], v_bad[130] = np.inf, -np.inf
+    k_bad[200:210], v_bad[200:210] = np.nan, np.inf
+    with Backend("cpu", n_threads=n_threads) as backend:
+        got = compute(
+            backend,
+            [("f32", q.transpose(1, 0, 2)[None]), (kv_type, k_bad.transpose(1, 0, 2)[None]),
+             (kv_type, v_bad.transpose(1, 0, 2)[None]), ("f16", mask)],
+            lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=True))
+    assert np.isfinite(got).all(), f"{np.isnan(got).sum()} NaN, {np.isinf(got).sum()} inf of {got.size}"
+    want = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), visible)
+    assert relative_error(got[0], want) < 1e-2, relative_error(got[0], want)  # ggml's per-row kernel sums V in f16
+    if n_q > 1:
+        np.testing.assert_allclose(got[0, n_q - 1], v[n_kv - 1], rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 @pytest.mark.parametrize("prec_bf16", [False, True])
 @pytest.mark.parametrize("n_q", [64, 70])

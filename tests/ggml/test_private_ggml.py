@@ -82,7 +82,8 @@ def test_extension_stamp_is_the_recorded_build_of_the_pin():
                if "=" in line and not line.startswith("#"))
     if built.patches:  # a pinned build (a GGML_SRC build applies no patches and has its own version)
         assert built.version == pin["GGML_VERSION"]
-        assert built.patches == tuple(sorted(p.name for p in (ROOT / "vendor" / "patches").glob("*.patch")))
+        series = ROOT / "vendor" / "patches" / f"ggml-{pin['GGML_VERSION']}"
+        assert built.patches == tuple(sorted(p.name for p in series.glob("*.patch")))
 
 
 def run_child(function: str, *args: str, tmp_path: Path) -> str:
