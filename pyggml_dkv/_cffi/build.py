@@ -83,7 +83,7 @@ def make_ffibuilder() -> FFI:
         cdefs += (HERE / f"cdefs_{name}.h").read_text()
         includes.append(f"ggml-{name}.h")
         libraries.insert(0, f"ggml-{name}")
-    if "rpc" in optional and "ggml_backend_rpc_failed" in (INCLUDE_DIR / "ggml-rpc.h").read_text():
+    if "rpc" in optional and "GGML_RPC_FAILURES_ARE_ERRORS" in (INCLUDE_DIR / "ggml-rpc.h").read_text():
         # our RPC error patch (failures as errors, not aborts); an unpatched ggml aborts instead
         cdefs += (HERE / "cdefs_rpc_errors.h").read_text()
     source = "\n".join(f'#include "{h}"' for h in [*includes, "custom_ops.h"]) + "\n" + stamp_source()

@@ -7,12 +7,14 @@ connection with a timeout:
 
 - HELLO (command 14, fixed by ggml forever): the server's protocol version. ggml's rule: the
   major versions match and the server's minor is not newer than the client's.
-- DEVICE_TYPE (command 17, added by vendor/patches/0012-rpc-errors-not-aborts.patch): whether the
-  server computes on a CPU or a GPU, which ggml's client does not know (it reports every RPC
-  device as a GPU). A server of another ggml build closes the connection at that command; its
-  device type is then unknown and treated as "not a CPU".
+- DEVICE_TYPE (GGML_RPC_EXT_CMD_DEVICE_TYPE, 0xF0: a command our ggml's server adds outside the
+  protocol's numbering): whether the server computes on a CPU or a GPU, which protocol 7.0.0
+  cannot tell (ggml's client reports every RPC device as a GPU). A server of another ggml build
+  (llama.cpp's ggml-rpc-server) closes the connection at that command; its device type is then
+  unknown and treated as "not a CPU".
 
-Only then does ggml open its own connection (with socket timeouts set by the same patch).
+Only then does ggml open its own connection, which speaks plain protocol 7.0.0 (with socket
+timeouts where our ggml has them).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .backend import Backend
 
 RPC_CMD_HELLO = 14
-RPC_CMD_DEVICE_TYPE = 17
+# our server's device-type command (None: this ggml build's server lacks it, so do not ask)
+RPC_CMD_DEVICE_TYPE: int | None = getattr(lib, "GGML_RPC_EXT_CMD_DEVICE_TYPE", None)
 CONN_CAPS_SIZE = 24
 HELLO_RESPONSE_SIZE = 4 + CONN_CAPS_SIZE  # major, minor, patch, padding, conn_caps
 
@@ -127,11 +130,13 @@ def probe(endpoint: Endpoint, timeout_s: float, spec: str) -> ServerInfo:
                 f"{where}: RPC protocol version {'.'.join(map(str, server))} does not fit this client's "
                 f"{'.'.join(map(str, client))} (majors must match, the server's minor may not be newer); "
                 "run the server and the client from the same pyggml_dkv version")
-        try:
-            (type_id,) = struct.unpack("<I", _command(sock, RPC_CMD_DEVICE_TYPE, struct.pack("<I", 0), 4))
-            device_type: str | None = DEVICE_TYPES.get(type_id, f"type{type_id}")
-        except (OSError, ConnectionError):
-            device_type = None  # a server of another ggml build: it does not know the command
+        device_type: str | None = None
+        if RPC_CMD_DEVICE_TYPE is not None:
+            try:
+                (type_id,) = struct.unpack("<I", _command(sock, RPC_CMD_DEVICE_TYPE, struct.pack("<I", 0), 4))
+                device_type = DEVICE_TYPES.get(type_id, f"type{type_id}")
+            except (OSError, ConnectionError):
+                pass  # a server of another ggml build: it does not know the command
     return ServerInfo(server, device_type)
 
 
