@@ -117,6 +117,20 @@ else
     SRC_ID="pin:$SOURCE_ID"
 fi
 
+# what each applied patch brings: its header names it on one line "Pyggml-Dkv-Capability: NAME"
+# (a git trailer). The names become macros of _libs/include/pyggml_dkv_build.h, which the
+# extension's capability query (pyggml_dkv/_cffi/kernels.c) is compiled from; nothing reads the
+# patch files later. A GGML_SRC build carries none.
+CAPABILITIES=()
+if [ "${SRC_ID#custom:}" = "$SRC_ID" ]; then
+    for p in "${PATCHES[@]}"; do
+        cap="$(sed -n 's/^Pyggml-Dkv-Capability: \([a-z0-9][a-z0-9_-]*\)$/\1/p' "$p")"
+        [ -n "$cap" ] && [ "$(printf '%s\n' "$cap" | wc -l)" = 1 ] \
+            || die "$(basename "$p") must name what it brings on exactly one line 'Pyggml-Dkv-Capability: name' (a-z, 0-9, _ and -)"
+        CAPABILITIES+=("$cap")
+    done
+fi
+
 # ---------------------------------------------------------------- toolchain
 command -v cmake >/dev/null || die "cmake not found (apt-get install cmake, or pip install cmake)"
 command -v "${CC:-cc}" >/dev/null || die "no C compiler found (apt-get install build-essential)"
@@ -165,7 +179,16 @@ fi
 # ---------------------------------------------------------------- build
 BUILD="$VENDOR/build/$VARIANT"
 STAMP="$PREFIX/.build-stamp"
-KEY="$SRC_ID|$VARIANT|${CMAKE_ARGS[*]}"
+# The build's identity, which ggml itself answers at run time: ggml's CMakeLists asks git for the
+# commit that ggml_commit() returns (vendor/ggml sits inside our own git checkout, so that was our
+# HEAD, "-dirty" or not). A stand-in for git answers "pyggml_dkv-<id>" instead, <id> a hash of the
+# source (pin + patch series), variant and options. The import-time check compares it with the
+# id recorded here (_libs/build-id): llama.cpp's ggml in the same process reports the same
+# version as ours, but not this.
+BUILD_ID="pyggml_dkv-$(printf '%s|%s|%s|%s' "$SRC_ID" "$VARIANT" "${CMAKE_ARGS[*]}" "${CAPABILITIES[*]}" | sha256sum | cut -c1-16)"
+COMMIT_STAMP="$VENDOR/build/$VARIANT.commit-stamp"
+CMAKE_ARGS+=(-DGIT_EXE="$COMMIT_STAMP")
+KEY="$SRC_ID|$VARIANT|${CMAKE_ARGS[*]}|$BUILD_ID"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] && [ -f "$PREFIX/lib/libggml.a" ] \
    && [ "${SRC_ID#custom:}" = "$SRC_ID" ]; then
@@ -174,6 +197,9 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] && [ -f "$PREFIX/lib/libggm
 fi
 
 mkdir -p "$VENDOR/build"
+printf '#!/bin/sh\n# build_ggml.sh: answers ggml'"'"'s CMakeLists in place of git (rev-parse: the commit; diff-index: clean)\n[ "$1" = rev-parse ] && echo %s\nexit 0\n' \
+    "$BUILD_ID" > "$COMMIT_STAMP"
+chmod +x "$COMMIT_STAMP"
 say "configuring ggml ($VARIANT) in vendor/build/$VARIANT"
 cmake -S "$SRC" -B "$BUILD" "${CMAKE_ARGS[@]}" > "$BUILD.configure.log" 2>&1 \
     || { tail -n 30 "$BUILD.configure.log" >&2; die "cmake configure failed (full log: $BUILD.configure.log)"; }
@@ -205,11 +231,18 @@ if [ "${SRC_ID#custom:}" = "$SRC_ID" ] && [ "$BUILT_VERSION" != "$GGML_VERSION" 
 fi
 echo "$BUILT_VERSION" > "$PREFIX/version"
 echo "$VARIANT" > "$PREFIX/variant"
-# which of our patches the libraries carry: the package uses AMX only with 0002 (GCC 12 fix)
-if [ "${SRC_ID#custom:}" = "$SRC_ID" ]; then
-    for p in "${PATCHES[@]}"; do basename "$p"; done > "$PREFIX/patches"
-else
-    : > "$PREFIX/patches"
-fi
+echo "$BUILD_ID" > "$PREFIX/build-id"
+# what this build is and carries, for the extension's C (pyggml_dkv/_cffi/kernels.c, build.py)
+{
+    echo "/* Written by build_ggml.sh: which ggml build this is and what of ours it carries."
+    echo "   pyggml_dkv/_cffi/kernels.c answers it through pyggml_dkv_kernels(). */"
+    echo "#define PYGGML_DKV_GGML_VERSION \"$BUILT_VERSION\""
+    echo "#define PYGGML_DKV_GGML_VARIANT \"$VARIANT\""
+    echo "#define PYGGML_DKV_GGML_BUILD_ID \"$BUILD_ID\""
+    echo "#define PYGGML_DKV_BUILD_CAPABILITIES \"$(IFS=,; echo "${CAPABILITIES[*]}")\""
+    for cap in "${CAPABILITIES[@]}"; do
+        echo "#define PYGGML_DKV_HAS_$(echo "$cap" | tr 'a-z-' 'A-Z_') 1"
+    done
+} > "$PREFIX/include/pyggml_dkv_build.h"
 echo "$KEY" > "$STAMP"   # last: an interrupted build is never taken as up to date
 say "built ggml $BUILT_VERSION ($VARIANT) in $(( $(date +%s) - start ))s into pyggml_dkv/_libs"

@@ -12,7 +12,7 @@ noise rows and up to 34 fold-in rows):
             product; the cost per product that does not depend on its rows (fixed: the line through
             R = 256 and 1024, both in L2, at 0 rows: quantizing or laying out the columns, barriers,
             shared cache lines); and the thread speedup. A fixed cost on many threads well above the
-            one thread's is flagged: one that threads add (vendor/patches/0043 was found this way:
+            one thread's is flagged: one that threads add (old patch 0043 was found this way:
             ~45 us a product of cache lines both threads wrote)
   streamed  distinct 3072 x 1024 matrices, --stream-mb of them (a step's weights are 60-230 MB), each
             multiplied once per graph, on --threads: against `hot` at 3072 rows, how much of the

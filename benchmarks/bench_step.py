@@ -13,10 +13,10 @@ Systems, each timed for ONE draft step at a context window of W positions:
   kv_f16     DraftKvCache, f16 weights, f16 K/V cache: cache.step(ring, committed, noise)
   kv_q8      DraftKvCache, q8_0 weights (in ggml's AMX buffer on CPUs with AMX), f16 K/V cache
   kv_q8_attbf16  the same with attention="bf16": attention's two products with bf16 inputs on AMX
-             tiles (vendor/patches/0009), else on AVX512-BF16 (0011); PyTorch-bf16 precision; left
+             tiles (old patch 0009), else on AVX512-BF16 (0011); PyTorch-bf16 precision; left
              out when ggml lacks the patch
   kv_bf16    DraftKvCache, bf16 weights (products on AVX512-BF16 vdpbf16ps with the rows rounded to bf16,
-             vendor/patches/0019, where the CPU has it), f16 K/V cache
+             old patch 0019, where the CPU has it), f16 K/V cache
   kv_q8_generic  (--generic-q8) kv_q8 with its q8_0 weights in the ordinary buffer: ggml's generic
              q8_0 kernels, the path of a CPU without AMX before patch 0010 (not in the targets)
   raw        kv_f16's step graph alone: cache.next_graph().compute(backend) (the graph step() runs, sized

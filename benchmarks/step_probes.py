@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from pyggml_dkv import DraftConfig
-from pyggml_dkv.ggml import bf16_attention_kernel, bf16_matmul_kernel, built_with_patches, cpu_features, half_matmul_avx2
+from pyggml_dkv.ggml import bf16_attention_kernel, bf16_matmul_kernel, built_capabilities, cpu_features, half_matmul_avx2
+from pyggml_dkv.ggml.capabilities import F16_MATMUL_KERNEL
 
 
 
@@ -129,9 +130,8 @@ def kernels_used(kind: str, repack_kinds: tuple[str, ...] | str | None, attentio
     (ggml order), where the kernel depends on it (bf16: AMX takes whole 16-row groups)."""
     kinds = (repack_kinds,) if isinstance(repack_kinds, str) else tuple(repack_kinds or ())
     feats = cpu_features()
-    patches = set(built_with_patches())
     if kind == "f16":
-        if feats["avx512"] and "0004-cpu-mul-mat-f16-narrow.patch" in patches:
+        if feats["avx512"] and F16_MATMUL_KERNEL in built_capabilities():
             mm = ("f16 weights x f32 rows, AVX-512 FMA (patch 0004)", "vfmadd231ps")
         elif half_matmul_avx2():
             mm = ("f16 weights x f32 rows, AVX2 FMA (patch 0042)", None)

@@ -140,7 +140,7 @@ class Bench:
         self.kv: dict[str, KvSystem] = {}
         sys_ = set(self.systems)
         if "kv_q8_attbf16" in sys_ and not bf16_attention_supported():
-            log(f"[{self.name}] kv_q8_attbf16 left out: ggml was built without vendor/patches/0009")
+            log(f"[{self.name}] kv_q8_attbf16 left out: ggml was built without our bf16 attention kernel (fa-bf16)")
             self.systems = [s for s in self.systems if s != "kv_q8_attbf16"]
             sys_.discard("kv_q8_attbf16")
         need = {"f16": bool(sys_ & {"kv_f16", "raw", "oneshot"}), "q8_0": bool(sys_ & {"kv_q8", "kv_q8_attbf16"}),

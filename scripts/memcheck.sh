@@ -21,28 +21,35 @@ PREFIX="$ROOT/vendor/build/cpu-memcheck-install"
 PYTHON="${PYTHON:-$(python3 -c 'import sys; print(sys.executable)')}"
 
 [ -f "$SRC/CMakeLists.txt" ] || { echo "memcheck.sh: $SRC is missing: run ./build_ggml.sh first" >&2; exit 2; }
+# what the package's own build recorded (its capabilities: the same source, so the same patches)
+MAIN_RECORD="$ROOT/pyggml_dkv/_libs/include/pyggml_dkv_build.h"
+[ -f "$MAIN_RECORD" ] || { echo "memcheck.sh: $MAIN_RECORD is missing: run ./build_ggml.sh first" >&2; exit 2; }
 command -v valgrind >/dev/null || { echo "memcheck.sh: valgrind not found (apt-get install valgrind)" >&2; exit 2; }
 
 # rebuilt whenever the unpacked source changes (new pin or patches): never check stale code
 SRC_ID="$(cat "$SRC/.pyggml_dkv_source" 2>/dev/null || echo custom)"
+# this build's id, which ggml_commit() answers (build_ggml.sh does the same: a stand-in for git)
+BUILD_ID="pyggml_dkv-$(printf '%s|memcheck' "$SRC_ID" | sha256sum | cut -c1-16)"
 if [ ! -f "$PREFIX/lib/libggml-cpu.a" ] || [ "$(cat "$PREFIX/.source" 2>/dev/null)" != "$SRC_ID" ]; then
     rm -rf "$BUILD" "$PREFIX"
+    mkdir -p "$(dirname "$BUILD")"
+    printf '#!/bin/sh\n[ "$1" = rev-parse ] && echo %s\nexit 0\n' "$BUILD_ID" > "$BUILD.commit-stamp"
+    chmod +x "$BUILD.commit-stamp"
     echo "memcheck.sh: building ggml without AVX-512 for valgrind (once; log: $BUILD.build.log)" >&2
     cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DBUILD_SHARED_LIBS=OFF -DCMAKE_POSITION_INDEPENDENT_CODE=ON \
         -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
         -DGGML_AVX512=OFF -DGGML_OPENMP=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF -DGGML_CCACHE=OFF \
-        -DCMAKE_INSTALL_LIBDIR=lib \
+        -DCMAKE_INSTALL_LIBDIR=lib -DGIT_EXE="$BUILD.commit-stamp" \
         > "$BUILD.configure.log" 2>&1 || { tail -n 30 "$BUILD.configure.log" >&2; exit 2; }
     cmake --build "$BUILD" -j "${GGML_JOBS:-$(nproc)}" > "$BUILD.build.log" 2>&1 || { tail -n 30 "$BUILD.build.log" >&2; exit 2; }
     cmake --install "$BUILD" --prefix "$PREFIX" > "$BUILD.install.log" 2>&1 || { tail -n 20 "$BUILD.install.log" >&2; exit 2; }
     # what build_ggml.sh records next to its libraries, for the extension's build stamp
     sed -n 's/^set(GGML_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\))/\2/p' "$SRC/CMakeLists.txt" | paste -sd. > "$PREFIX/version"
     echo "cpu-memcheck" > "$PREFIX/variant"
-    if [ "$SRC_ID" != custom ]; then
-        (cd "$ROOT/vendor/patches/ggml-$(cat "$PREFIX/version")" && ls -1 -- *.patch 2>/dev/null) > "$PREFIX/patches" || true
-    else
-        : > "$PREFIX/patches"
-    fi
+    echo "$BUILD_ID" > "$PREFIX/build-id"
+    sed -e "s/^#define PYGGML_DKV_GGML_VARIANT .*/#define PYGGML_DKV_GGML_VARIANT \"cpu-memcheck\"/" \
+        -e "s/^#define PYGGML_DKV_GGML_BUILD_ID .*/#define PYGGML_DKV_GGML_BUILD_ID \"$BUILD_ID\"/" \
+        "$MAIN_RECORD" > "$PREFIX/include/pyggml_dkv_build.h"
     printf '%s\n' -lstdc++ -lm -ldl -lpthread -fopenmp > "$PREFIX/link-args"
     echo "$SRC_ID" > "$PREFIX/.source"
 fi
@@ -68,7 +75,7 @@ rm -rf "$PKG/pyggml_dkv/_libs" "$PKG"/pyggml_dkv/_ggml_cffi*
 find "$PKG" -name __pycache__ -prune -exec rm -rf {} +
 cp "$PREFIX"/ext/pyggml_dkv/_ggml_cffi*.so "$PKG/pyggml_dkv/"
 mkdir -p "$PKG/pyggml_dkv/_libs"
-cp "$PREFIX/version" "$PREFIX/variant" "$PREFIX/patches" "$PKG/pyggml_dkv/_libs/"
+cp "$PREFIX/version" "$PREFIX/variant" "$PREFIX/build-id" "$PKG/pyggml_dkv/_libs/"
 
 cd "$ROOT"
 SUPP="--suppressions=$ROOT/scripts/valgrind-python.supp"

@@ -8,7 +8,9 @@ ggml is linked statically and kept private: every symbol of the static libraries
 (``--exclude-libs,ALL``) and the version script ``exports.map`` exports only the module's init
 function. A process that also loads llama.cpp's own ggml (same SONAMEs, same symbol names, other
 version) then cannot bind either library to the other's functions. The build stamp (ggml version,
-variant, applied patches) is compiled into the extension; pyggml_dkv._cffi.stamp checks it at import.
+variant, build id) and the capability query (kernels.c: which of our fixes and kernels the build
+carries) are compiled into the extension from _libs/include/pyggml_dkv_build.h, which build_ggml.sh
+writes; pyggml_dkv._cffi.stamp checks the stamp at import.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ LIB_DIR = LIBS / "lib"
 INCLUDE_DIR = LIBS / "include"
 EXPORTS_MAP = HERE / "exports.map"
 # C compiled into the extension next to ggml: custom ops (ggml_custom_4d) the Python layer builds,
-# and the AMX tile helper a llama.cpp host calls
-OP_SOURCES = [HERE / "screened_argmax.c", HERE / "amx_tiles.c"]
+# the AMX tile helper a llama.cpp host calls, and the capability query with the build stamp
+OP_SOURCES = [HERE / "screened_argmax.c", HERE / "amx_tiles.c", HERE / "kernels.c"]
 # static libraries: dependents before what they use (the group below tolerates any order anyway)
 CORE_LIBRARIES = ["ggml", "ggml-cpu", "ggml-base"]
 
@@ -44,27 +46,6 @@ def read_lines(name: str) -> list[str]:
     return [line.strip() for line in path.read_text().splitlines() if line.strip()]
 
 
-def c_string(text: str) -> str:
-    """`text` as a C string literal (build stamps hold only printable ASCII)."""
-    if not text.isascii() or not text.isprintable():
-        raise RuntimeError(f"unexpected characters in a ggml build stamp: {text!r}")
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def stamp_source() -> str:
-    """C definitions of the build stamp the import-time check reads back (cdefs_core.h)."""
-    version = read_lines("version")
-    variant = read_lines("variant")
-    if not version or not variant:
-        raise RuntimeError(f"{LIBS} has no version or variant file: rebuild ggml with ./build_ggml.sh")
-    patches = ",".join(read_lines("patches"))
-    return (
-        f"static const char *pyggml_dkv_built_ggml_version(void) {{ return {c_string(version[0])}; }}\n"
-        f"static const char *pyggml_dkv_built_variant(void) {{ return {c_string(variant[0])}; }}\n"
-        f"static const char *pyggml_dkv_built_patches(void) {{ return {c_string(patches)}; }}\n"
-    )
-
-
 def source_path(path: Path) -> str:
     """A C source as setuptools takes it: relative to the working directory, setup.py's (it refuses
     absolute paths); a compile run from elsewhere (scripts/memcheck.sh) gets the absolute path."""
@@ -75,6 +56,8 @@ def source_path(path: Path) -> str:
 def make_ffibuilder() -> FFI:
     if not (LIB_DIR / "libggml.a").exists():
         raise RuntimeError(f"ggml is not built: {LIB_DIR / 'libggml.a'} is missing; run ./build_ggml.sh")
+    if not (INCLUDE_DIR / "pyggml_dkv_build.h").exists() or not read_lines("variant"):
+        raise RuntimeError(f"{LIBS} lacks the build record (include/pyggml_dkv_build.h, variant): rebuild ggml with ./build_ggml.sh")
     optional = built_backends()
     cdefs = (HERE / "cdefs_core.h").read_text()
     includes = ["ggml.h", "ggml-alloc.h", "ggml-backend.h", "ggml-cpu.h"]
@@ -86,7 +69,9 @@ def make_ffibuilder() -> FFI:
     if "rpc" in optional and "GGML_RPC_FAILURES_ARE_ERRORS" in (INCLUDE_DIR / "ggml-rpc.h").read_text():
         # our RPC error patch (failures as errors, not aborts); an unpatched ggml aborts instead
         cdefs += (HERE / "cdefs_rpc_errors.h").read_text()
-    source = "\n".join(f'#include "{h}"' for h in [*includes, "custom_ops.h"]) + "\n" + stamp_source()
+    source = "\n".join(f'#include "{h}"' for h in [*includes, "custom_ops.h"]) + "\n"
+    # kernels.c reports the RPC fix only where the RPC backend was built
+    macros = [("PYGGML_DKV_WITH_RPC", "1")] if "rpc" in optional else []
     archives = [str(LIB_DIR / f"lib{name}.a") for name in libraries]
     # an ASan build of ggml (GGML_SANITIZE=address) instruments our own C too (the custom ops)
     sanitize = ["-fsanitize=address", "-fno-omit-frame-pointer"] if "asan" in read_lines("variant")[0].split("-") else []
@@ -98,9 +83,11 @@ def make_ffibuilder() -> FFI:
         source,
         sources=[source_path(p) for p in OP_SOURCES],
         include_dirs=[str(INCLUDE_DIR), str(HERE)],  # HERE: custom_ops.h
+        define_macros=macros,
         extra_compile_args=sanitize,
         # relink whenever ggml was rebuilt, even when the generated C source is unchanged
-        depends=[*archives, str(LIBS / "link-args"), str(EXPORTS_MAP), *map(str, OP_SOURCES), str(HERE / "custom_ops.h")],
+        depends=[*archives, str(LIBS / "link-args"), str(EXPORTS_MAP), *map(str, OP_SOURCES), str(HERE / "custom_ops.h"),
+                 str(INCLUDE_DIR / "pyggml_dkv_build.h")],
         extra_link_args=[
             "-Wl,--start-group", *archives, "-Wl,--end-group",
             # ggml's symbols stay inside the extension: hidden, and only PyInit_* exported

@@ -265,10 +265,12 @@ int ggml_cpu_has_avx512_vnni(void);
 int ggml_cpu_has_avx512_bf16(void);
 int ggml_cpu_has_amx_int8(void);
 
-/* ---- the build stamp compiled into the extension (_cffi/build.py; checked by pyggml_dkv._stamp) ---- */
-const char *pyggml_dkv_built_ggml_version(void);
-const char *pyggml_dkv_built_variant(void);
-const char *pyggml_dkv_built_patches(void);
+/* ---- kernels.c: what of ours this build carries, and its build stamp (checked by _cffi/stamp.py) ---- */
+const char * pyggml_dkv_kernels(void);
+const char * pyggml_dkv_build_capabilities(void);
+const char * pyggml_dkv_built_ggml_version(void);
+const char * pyggml_dkv_built_variant(void);
+const char * pyggml_dkv_built_ggml_build_id(void);
 
 /* ---- custom ops compiled into the extension (_cffi/*.c) ---- */
 /* screened_argmax.c: a ggml_custom_op_t for ggml_custom_4d (pyggml_dkv/ggml/ops_screen.py) */

@@ -12,4 +12,12 @@ void pyggml_dkv_screened_argmax(struct ggml_tensor * dst, int ith, int nth, void
    CPU or kernel offers no AMX tiles */
 int pyggml_dkv_load_ggml_matmul_tiles(void);
 
+/* kernels.c: what of ours this build carries (comma list of names, "" for none), the raw list
+   build_ggml.sh recorded (for a test that kernels.c knows every name), and the build stamp */
+const char * pyggml_dkv_kernels(void);
+const char * pyggml_dkv_build_capabilities(void);
+const char * pyggml_dkv_built_ggml_version(void);
+const char * pyggml_dkv_built_variant(void);
+const char * pyggml_dkv_built_ggml_build_id(void);
+
 #endif

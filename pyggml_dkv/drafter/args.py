@@ -9,7 +9,7 @@ import numpy as np
 
 from ..common.checks import check_choice, check_int
 from ..ggml import Backend, Buffer, GGMLError, Tensor, bf16_attention_supported
-from ..ggml.capabilities import BF16_ATTENTION_PATCH
+from ..ggml.capabilities import BF16_ATTENTION_KERNEL
 from ..model.backend_weights import BackendWeights, upload_matrix
 from .masks import SWA_MODES
 
@@ -35,8 +35,8 @@ def check_drafter_args(weights: Any, backend: Any, cap: Any, cache_type: str, sw
     check_choice("swa", swa, SWA_MODES)
     check_choice("attention", attention, ATTENTION_PRECISIONS)
     if attention == "bf16" and not bf16_attention_supported():
-        raise ValueError(f"attention='bf16' needs ggml built with vendor/patches/{BF16_ATTENTION_PATCH} "
-                         "(a GGML_SRC build lacks it)")
+        raise ValueError(f"attention='bf16' needs a ggml build with our bf16 attention kernel ({BF16_ATTENTION_KERNEL!r}; "
+                         "built_capabilities() lists this build's; a GGML_SRC build has none)")
     return cap
 
 

@@ -103,7 +103,7 @@ def attend(g: Context, w: BackendWeights, layer: int, q: Tensor, k_all: Tensor, 
     the head's index within its group), and `mask` must have those rows: row j + q_len*g = query
     j's mask. The caller uploads it so (repeating a q_len-row mask
     in-graph with a concat cost more than uploading the folded rows). `bf16_products`: the CPU kernel's products take bf16 inputs
-    on AMX tiles (ggml with vendor/patches/0009), else f32 precision throughout.
+    on AMX tiles (ggml with old patch 0009), else f32 precision throughout.
     """
     cfg = w.cfg
     hd, n_kv, groups = cfg.head_dim, cfg.n_head_kv, group_size(cfg)

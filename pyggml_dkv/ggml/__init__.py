@@ -28,11 +28,13 @@ from ._lowlevel import ffi, lib
 from .backend import Backend
 from .buffer import Buffer
 from .capabilities import (
-    AMX_PATCH,
+    AMX_KERNEL,
     AMX_TYPES,
-    BF16_ATTENTION_AVX512_PATCH,
-    BF16_ATTENTION_PATCH,
-    VNNI_PATCH,
+    BF16_ATTENTION_AVX512_KERNEL,
+    BF16_ATTENTION_KERNEL,
+    FA_MASKED_KEYS_FIX,
+    RPC_ERRORS_FIX,
+    VNNI_KERNEL,
     GGML_PREC_BF16,
     GGML_REPACK_TYPES,
     REPACKING_BUFFER_TYPES,
@@ -46,7 +48,7 @@ from .capabilities import (
     half_matmul_avx2,
     bf16_attention_supported,
     built_backends,
-    built_with_patches,
+    built_capabilities,
     cpu_extra_buffer_types,
     cpu_features,
     cpu_repack_fits,
@@ -69,11 +71,11 @@ from .tensor import Tensor, host_array
 from .types import MAX_DIMS, TYPE_NAMES, TYPES, dequantize, ggml_type, quantize
 
 __all__ = [
-    "AMX_PATCH", "AMX_TYPES", "BF16_ATTENTION_PATCH", "GGML_PREC_BF16", "GGML_REPACK_TYPES", "MAX_DIMS", "REPACKING_BUFFER_TYPES",
+    "AMX_KERNEL", "AMX_TYPES", "BF16_ATTENTION_KERNEL", "FA_MASKED_KEYS_FIX", "RPC_ERRORS_FIX", "GGML_PREC_BF16", "GGML_REPACK_TYPES", "MAX_DIMS", "REPACKING_BUFFER_TYPES",
     "TYPES", "TYPE_NAMES", "Backend", "BackendInfo", "BackendUnavailableError", "RemoteBackendError", "Buffer", "Context",
     "GGMLError", "Gallocr", "Graph", "Tensor", "amx_available", "amx_fits", "available_backends",
     "bf16_attention_kernel", "bf16_attention_supported", "bf16_matmul_kernel", "bf16_products_on_fma", "half_matmul_avx2", "built_backends", "cpu_features", "cpu_repack_fits", "cpu_repack_kernel", "ggml_repack_fits", "vnni_available", "vnni_fits", "vnni_repack_fits",
-    "BF16_ATTENTION_AVX512_PATCH", "VNNI_PATCH", "built_with_patches", "cpu_extra_buffer_types",
+    "BF16_ATTENTION_AVX512_KERNEL", "VNNI_KERNEL", "built_capabilities", "cpu_extra_buffer_types",
     "cuda_graph_stats", "default_n_threads", "dequantize", "ffi", "ggml_type", "host_array", "lib", "list_devices",
     "live_objects", "quantize", "version",
 ]

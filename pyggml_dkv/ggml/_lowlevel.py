@@ -19,7 +19,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "build_ggml.sh), or run ./build_ggml.sh and reinstall."
     ) from exc
 
-# the extension must run the ggml recorded in pyggml_dkv/_libs (version, variant, patches)
+# the extension must run the ggml recorded in pyggml_dkv/_libs (version, variant, build id)
 check_extension(ffi, lib)
 
 __all__ = ["ffi", "lib"]

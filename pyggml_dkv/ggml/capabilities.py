@@ -1,4 +1,5 @@
-"""What this ggml build and this machine offer: backends, devices, CPU buffer types, patches."""
+"""What this ggml build and this machine offer: backends, devices, CPU buffer types, and which of our
+fixes and kernels the build carries (built_capabilities: the extension's C query, pyggml_dkv_kernels)."""
 
 from __future__ import annotations
 
@@ -128,36 +129,45 @@ def cpu_extra_buffer_types() -> dict[str, Any]:
     return found
 
 
-# ggml's AMX kernels are only safe with our patch (vendor/patches/0002: without it, a GCC 12 build
-# dies with SIGILL at the first tile instruction); build_ggml.sh lists the patches it applied
-AMX_PATCH = "0002-amx-kernels.patch"
-_PATCHES_FILE = Path(__file__).resolve().parent.parent / "_libs" / "patches"
-
-
 @functools.cache
-def built_with_patches() -> tuple[str, ...]:
-    """The vendor/patches the ggml libraries were built with (none for a GGML_SRC build)."""
-    try:
-        return tuple(line.strip() for line in _PATCHES_FILE.read_text().splitlines() if line.strip())
-    except OSError:
-        return ()
+def built_capabilities() -> frozenset[str]:
+    """Which of our fixes to ggml and of our kernels this build carries, by name, as the extension's
+    C query pyggml_dkv_kernels() reports them (decided when the extension was compiled, from what
+    build_ggml.sh applied; none for a GGML_SRC build). The names this package acts on are the
+    *_KERNEL / *_FIX constants below; docs/ggml-port-plan.md says which patch or kernel file
+    brings each."""
+    return frozenset(name for name in ffi.string(lib.pyggml_dkv_kernels()).decode().split(",") if name)
 
 
-# CPU flash attention with bf16 products on AMX tiles (vendor/patches/0009): ggml's precision
+# Fixes to ggml's own code (docs/ggml-port-plan.md, P3 / P5): a killed or frozen RPC server is a
+# Python exception, not an abort or a hang; masked non-finite K/V stay out of ggml's tiled attention
+RPC_ERRORS_FIX = "rpc-errors"
+FA_MASKED_KEYS_FIX = "fa-masked-keys"
+# ggml's node barrier spins a few pauses, then sleeps on a futex, also in OpenMP builds (P2)
+BARRIER_FUTEX = "barrier-futex"
+# f16 weights times up to 64 f32 columns on AVX-512 FMAs (our narrow product; ggml rounds the
+# columns to f16)
+F16_MATMUL_KERNEL = "mm-f16-narrow"
+
+# ggml's AMX kernels are only safe with our fix (P4: without it, a GCC 12 build dies with SIGILL
+# at the first tile instruction; oneDNN releasing the tiles did the same)
+AMX_KERNEL = "amx-tile-config"
+
+# CPU flash attention with bf16 products on AMX tiles (our attention kernel): ggml's precision
 # GGML_PREC_BF16 (ggml 0.25.3 has the value, 15; our patch to ggml 0.10.1 added it as 16). ggml's
 # own CPU flash attention aborts on it, so it is asked for only where bf16_attention_supported().
-BF16_ATTENTION_PATCH = "0009-cpu-flash-attn-bf16-amx.patch"
+BF16_ATTENTION_KERNEL = "fa-bf16"
 GGML_PREC_BF16 = int(lib.GGML_PREC_BF16)
 
 
 def bf16_attention_supported() -> bool:
-    """True when ggml was built with vendor/patches/0009, so attention may be asked for bf16
-    products (it then runs them on AMX-BF16 tiles where the CPU has them, in f32 elsewhere)."""
-    return BF16_ATTENTION_PATCH in built_with_patches()
+    """True when the build carries our bf16 attention kernel (BF16_ATTENTION_KERNEL), so attention
+    may be asked for bf16 products (on AMX-BF16 tiles where the CPU has them, in f32 elsewhere)."""
+    return BF16_ATTENTION_KERNEL in built_capabilities()
 
 
-# the same bf16 products with AVX512-BF16 dot products on CPUs without AMX-BF16 (vendor/patches/0011)
-BF16_ATTENTION_AVX512_PATCH = "0011-cpu-flash-attn-bf16-avx512.patch"
+# the same bf16 products with AVX512-BF16 dot products on CPUs without AMX-BF16
+BF16_ATTENTION_AVX512_KERNEL = "fa-bf16-avx512"
 
 
 def no_amx_requested() -> bool:
@@ -176,38 +186,38 @@ def cpu_flags() -> frozenset[str]:
 
 
 def amx_bf16_usable() -> bool:
-    """AMX-BF16 tiles on this CPU, and PYGGML_DKV_NO_AMX not set (patches 0009, 0029 use them)."""
+    """AMX-BF16 tiles on this CPU, and PYGGML_DKV_NO_AMX not set (our bf16 attention and products use them)."""
     return "amx_bf16" in cpu_flags() and not no_amx_requested()
 
 
 def bf16_attention_kernel() -> str:
     """What attention="bf16" (GGML_PREC_BF16) runs its two products on here: "amx" (AMX-BF16
-    tiles), "avx512_bf16" (vdpbf16ps, patch 0011) or "f32" (no bf16 products: the f32 kernel)."""
+    tiles), "avx512_bf16" (vdpbf16ps) or "f32" (no bf16 products: the f32 kernel)."""
     if not bf16_attention_supported():
         return "f32"
     if amx_bf16_usable():
         return "amx"
-    if BF16_ATTENTION_AVX512_PATCH in built_with_patches() and lib.ggml_cpu_has_avx512_bf16():
+    if BF16_ATTENTION_AVX512_KERNEL in built_capabilities() and lib.ggml_cpu_has_avx512_bf16():
         return "avx512_bf16"
     return "f32"
 
 
-# bf16 weights times a draft block's few columns: on AMX-BF16 tiles (vendor/patches/0029), else with
-# AVX512-BF16 dot products (0019; columns rounded to bf16, f32 sums) or on f32 FMAs (0041; exact bf16
-# weights x f32 columns, f32 sums), by the CPU's vendor (bf16_products_on_fma)
-BF16_MATMUL_PATCH = "0019-cpu-mul-mat-bf16-narrow.patch"
-BF16_MATMUL_AMX_PATCH = "0029-cpu-mul-mat-bf16-amx-narrow.patch"
-BF16_MATMUL_FMA_PATCH = "0041-cpu-mul-mat-bf16-narrow-fma.patch"
-# f16 and bf16 weights times a few f32 columns on CPUs with AVX2 but no AVX-512 (0042: 0004's and
-# 0041's arithmetic in 8-wide registers)
-HALF_MATMUL_AVX2_PATCH = "0042-cpu-mul-mat-f16-bf16-narrow-avx2.patch"
+# bf16 weights times a draft block's few columns: on AMX-BF16 tiles, else with AVX512-BF16 dot
+# products (columns rounded to bf16, f32 sums) or on f32 FMAs (exact bf16 weights x f32 columns,
+# f32 sums), by the CPU's vendor (bf16_products_on_fma)
+BF16_MATMUL_KERNEL = "mm-bf16-dpbf16"
+BF16_MATMUL_AMX_KERNEL = "mm-bf16-amx"
+BF16_MATMUL_FMA_KERNEL = "mm-bf16-fma"
+# f16 and bf16 weights times a few f32 columns on CPUs with AVX2 but no AVX-512 (the f16 and bf16
+# FMA kernels' arithmetic in 8-wide registers)
+HALF_MATMUL_AVX2_KERNEL = "mm-half-avx2"
 BF16_PRODUCTS_ENV = "PYGGML_DKV_BF16_PRODUCTS"
 BF16_PRODUCTS_CHOICES = ("fma", "dpbf16")
 
 
 def bf16_products_requested() -> str | None:
     """PYGGML_DKV_BF16_PRODUCTS: "fma" or "dpbf16" forces how bf16 weights without AMX tiles are
-    multiplied (patch 0041 reads it too); unset or empty: the CPU's rule. Raises ValueError on
+    multiplied (our bf16 kernel reads it too); unset or empty: the CPU's rule. Raises ValueError on
     any other value (ggml would silently take the default)."""
     value = os.environ.get(BF16_PRODUCTS_ENV, "")
     if value == "":
@@ -218,8 +228,8 @@ def bf16_products_requested() -> str | None:
 
 
 def bf16_products_on_fma() -> bool:
-    """Whether bf16 weights without AMX tiles are multiplied on f32 FMAs (0041) rather than with
-    vdpbf16ps (0019), as patch 0041 decides: vdpbf16ps runs at twice the FMA's multiply-adds on AMD's
+    """Whether bf16 weights without AMX tiles are multiplied on f32 FMAs rather than with
+    vdpbf16ps, as our bf16 kernel decides: vdpbf16ps runs at twice the FMA's multiply-adds on AMD's
     Zen 4 / Zen 5 and at half of them on Intel's Sapphire / Emerald Rapids, so AMD keeps vdpbf16ps and
     every other CPU takes the FMAs (the only choice where AVX512-BF16 is missing);
     PYGGML_DKV_BF16_PRODUCTS overrides (dpbf16 only where the CPU has it)."""
@@ -232,9 +242,9 @@ def bf16_products_on_fma() -> bool:
 
 
 def half_matmul_avx2() -> bool:
-    """True where ggml was built for AVX2 / FMA / F16C without AVX-512 and carries patch 0042: f16
-    and bf16 weights times up to 64 f32 columns then run its 8-wide narrow kernel."""
-    return (HALF_MATMUL_AVX2_PATCH in built_with_patches() and not lib.ggml_cpu_has_avx512()
+    """True where ggml was built for AVX2 / FMA / F16C without AVX-512 and carries our 8-wide kernel
+    (HALF_MATMUL_AVX2_KERNEL): f16 and bf16 weights times up to 64 f32 columns then run it."""
+    return (HALF_MATMUL_AVX2_KERNEL in built_capabilities() and not lib.ggml_cpu_has_avx512()
             and bool(lib.ggml_cpu_has_avx2() and lib.ggml_cpu_has_fma() and lib.ggml_cpu_has_f16c()))
 
 
@@ -246,38 +256,38 @@ def bf16_matmul_kernel(ne: tuple[int, ...] = (1024, 1024), n_columns: int = 16) 
     AVX-512: whole 16-input blocks, up to 64 columns) or "ggml" (ggml's own bf16 path: llamafile /
     its dot products)."""
     ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
-    patches = built_with_patches()
+    kernels = built_capabilities()
     if ne4[2:] != (1, 1) or n_columns > 64:
         return "ggml"
     if half_matmul_avx2():
         return "avx2_fma" if ne4[0] % 16 == 0 else "ggml"
     if ne4[0] % 32 != 0:
         return "ggml"
-    dpbf16 = BF16_MATMUL_PATCH in patches and bool(lib.ggml_cpu_has_avx512_bf16())
-    if dpbf16 and amx_bf16_usable() and BF16_MATMUL_AMX_PATCH in patches and ne4[1] % 16 == 0:
+    dpbf16 = BF16_MATMUL_KERNEL in kernels and bool(lib.ggml_cpu_has_avx512_bf16())
+    if dpbf16 and amx_bf16_usable() and BF16_MATMUL_AMX_KERNEL in kernels and ne4[1] % 16 == 0:
         return "amx"
-    fma = BF16_MATMUL_FMA_PATCH in patches and bool(lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c())
+    fma = BF16_MATMUL_FMA_KERNEL in kernels and bool(lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c())
     if fma and bf16_products_on_fma():
         return "avx512_fma"
     return "avx512_bf16" if dpbf16 else "ggml"
 
 
 def amx_available() -> bool:
-    """True when ggml was built with (patched) AMX kernels and this CPU and kernel let us use them."""
-    if no_amx_requested() or AMX_PATCH not in built_with_patches():
+    """True when ggml was built with (fixed) AMX kernels and this CPU and kernel let us use them."""
+    if no_amx_requested() or AMX_KERNEL not in built_capabilities():
         return False
     return "AMX" in cpu_extra_buffer_types()
 
 
-# q8_0 weights repacked for an AVX512-VNNI kernel in ggml's CPU_REPACK buffer (vendor/patches/0010):
-# the fast q8_0 path of CPUs without AMX (AMD Zen 4/5, Intel Ice Lake .. Cascade Lake with VNNI).
-# Its layout groups 16 output rows, so matrices need out % 16 == 0 and in % 32 == 0 (vnni_fits).
-VNNI_PATCH = "0010-cpu-q8_0-avx512-vnni-repack.patch"
+# q8_0 weights repacked for our AVX512-VNNI kernel in a repacking buffer: the fast q8_0 path of CPUs
+# without AMX (AMD Zen 4/5, Intel Ice Lake .. Cascade Lake with VNNI). Its layout groups 16 output
+# rows, so matrices need out % 16 == 0 and in % 32 == 0 (vnni_fits).
+VNNI_KERNEL = "vnni-q8_0"
 
 
 def vnni_available() -> bool:
-    """True when ggml carries the VNNI q8_0 kernel (patch 0010) and was compiled for AVX512-VNNI."""
-    return (VNNI_PATCH in built_with_patches() and bool(lib.ggml_cpu_has_avx512_vnni())
+    """True when ggml carries the VNNI q8_0 kernel (VNNI_KERNEL) and was compiled for AVX512-VNNI."""
+    return (VNNI_KERNEL in built_capabilities() and bool(lib.ggml_cpu_has_avx512_vnni())
             and "CPU_REPACK" in cpu_extra_buffer_types())
 
 
@@ -301,15 +311,16 @@ def ggml_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
 
 
 # Our other layouts for that VNNI scheme, in the same buffer: q6_K (the head and some matrices of
-# Q4_K_M drafters; vendor/patches/0020, the codes one per byte), q4_K (most of a Q4_K_M drafter's
-# matrices) and q5_K (0021), q4_0 (0022). Each takes 2-D matrices of whole blocks and 16-row groups;
-# other whole 8-row groups of q4_0 / q4_K go to ggml's own AVX2 layouts.
-Q6_VNNI_PATCH = "0020-cpu-q6_K-avx512-vnni-repack.patch"
-Q4_Q5_VNNI_PATCH = "0021-cpu-q4_K-q5_K-avx512-vnni-repack.patch"
-Q4_0_VNNI_PATCH = "0022-cpu-q4_0-avx512-vnni-repack.patch"
-# type -> (patch, values per block)
-VNNI_LAYOUTS = {"q8_0": (VNNI_PATCH, 32), "q4_0": (Q4_0_VNNI_PATCH, 32), "q6_k": (Q6_VNNI_PATCH, 256),
-                "q4_k": (Q4_Q5_VNNI_PATCH, 256), "q5_k": (Q4_Q5_VNNI_PATCH, 256)}
+# Q4_K_M drafters; the codes one per byte), q4_K (most of a Q4_K_M drafter's matrices), q5_K and
+# q4_0. Each takes 2-D matrices of whole blocks and 16-row groups; other whole 8-row groups of
+# q4_0 / q4_K go to ggml's own AVX2 layouts.
+Q6_VNNI_KERNEL = "vnni-q6_k"
+Q4_VNNI_KERNEL = "vnni-q4_k"
+Q5_VNNI_KERNEL = "vnni-q5_k"
+Q4_0_VNNI_KERNEL = "vnni-q4_0"
+# type -> (kernel, values per block)
+VNNI_LAYOUTS = {"q8_0": (VNNI_KERNEL, 32), "q4_0": (Q4_0_VNNI_KERNEL, 32), "q6_k": (Q6_VNNI_KERNEL, 256),
+                "q4_k": (Q4_VNNI_KERNEL, 256), "q5_k": (Q5_VNNI_KERNEL, 256)}
 
 
 def vnni_fits(type_name: str, ne: tuple[int, ...]) -> bool:
@@ -324,8 +335,8 @@ def vnni_fits(type_name: str, ne: tuple[int, ...]) -> bool:
 
 def vnni_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
     """Can the CPU_REPACK buffer hold this tensor for one of our VNNI kernels here: vnni_fits, the
-    type's patch built, AVX512-VNNI?"""
-    return vnni_fits(type_name, ne) and vnni_available() and VNNI_LAYOUTS[type_name.lower()][0] in built_with_patches()
+    type's kernel built, AVX512-VNNI?"""
+    return vnni_fits(type_name, ne) and vnni_available() and VNNI_LAYOUTS[type_name.lower()][0] in built_capabilities()
 
 
 def cpu_repack_kernel(type_name: str, ne: tuple[int, ...]) -> str | None:
@@ -335,7 +346,7 @@ def cpu_repack_kernel(type_name: str, ne: tuple[int, ...]) -> str | None:
     Type names in any case ("q4_k", "q4_K")."""
     type_name = type_name.lower()
     if vnni_repack_fits(type_name, ne):
-        return f"{type_name.replace('_k', '_K')} VNNI (patch {VNNI_LAYOUTS[type_name][0][:4]})"
+        return f"{type_name.replace('_k', '_K')} VNNI ({VNNI_LAYOUTS[type_name][0]})"
     if ggml_repack_fits(type_name, ne):
         return f"ggml's {type_name.replace('_k', '_K')} 8x8 ({GGML_REPACK_TYPES[type_name].upper()})"
     return None
@@ -348,8 +359,8 @@ def cpu_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
 
 def cpu_repack_takes() -> str:
     """What the CPU_REPACK buffer takes on this CPU, in words (for error messages)."""
-    kinds = [f"{t} with whole {block}-value blocks and 16-row groups (VNNI)" for t, (patch, block) in VNNI_LAYOUTS.items()
-             if vnni_available() and patch in built_with_patches()]
+    kinds = [f"{t} with whole {block}-value blocks and 16-row groups (VNNI)" for t, (kernel, block) in VNNI_LAYOUTS.items()
+             if vnni_available() and kernel in built_capabilities()]
     kinds += [f"{t} with whole 8-row groups" for t, feature in GGML_REPACK_TYPES.items()
               if getattr(lib, f"ggml_cpu_has_{feature}")()]
     return "2-D matrices of " + (", or ".join(kinds) if kinds else "no type")

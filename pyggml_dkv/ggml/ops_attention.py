@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._lowlevel import ffi, lib
-from .capabilities import BF16_ATTENTION_PATCH, GGML_PREC_BF16, bf16_attention_supported
+from .capabilities import BF16_ATTENTION_KERNEL, GGML_PREC_BF16, bf16_attention_supported
 from .op_checks import WEIGHT_QUANT, check_type, F16, F32, fail, finite, FLOAT, I32, I64, OpBuilder, QUANT, ROPE_MODES, rows_contiguous
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,14 +47,16 @@ class AttentionOps(OpBuilder):
         """q [D, n_q, H, 1], k/v [D, n_kv, H_kv, 1], mask f16 [n_kv, >= n_q] -> [D, H, n_q, 1].
 
         prec_bf16: the CPU kernel may run both products with bf16 inputs on AMX tiles (f32 sums;
-        needs vendor/patches/0009, head sizes multiples of 32; elsewhere it computes in f32).
+        needs our attention kernel, BF16_ATTENTION_KERNEL; head sizes multiples of 32; elsewhere it
+        computes in f32).
         """
         self._same_ctx("flash_attn_ext", q, k, v, mask)
         if prec_f32 and prec_bf16:
             fail("flash_attn_ext", "prec_f32 and prec_bf16 exclude each other")
         if prec_bf16:
             if not bf16_attention_supported():
-                fail("flash_attn_ext", f"prec_bf16 needs a ggml built with vendor/patches/{BF16_ATTENTION_PATCH}")
+                fail("flash_attn_ext", f"prec_bf16 needs a ggml build with our bf16 attention kernel "
+                                       f"({BF16_ATTENTION_KERNEL!r}; built_capabilities() lists this build's)")
         # the CPU kernel reads q as f32 and needs a dot product for k's type / a conversion for v's
         # (an i32 k would call a NULL vec_dot: a segfault, not an abort)
         check_type("flash_attn_ext", q, (F32,), "q")

@@ -29,12 +29,12 @@ def default_weight_dtype(backend: Backend) -> str:
     """The weight type `dtype="auto"` picks for `backend`.
 
     The rule: q8_0 on a CPU backend whose ggml has a fast int8 product for it (AMX tiles and our
-    AVX512-VNNI kernel, vendor/patches/0010, on Xeons with AMX: amx_eligible; that kernel alone on
+    AVX512-VNNI kernel, old patch 0010, on Xeons with AMX: amx_eligible; that kernel alone on
     AMD Zen 4/5 and Intel CPUs with VNNI but no AMX): half the bytes of f16 and int8 products
     (faster steps than f16 on both, see benchmarks/README.md). f16 everywhere else: GPUs, and x86
     CPUs with only AVX2, where ggml's generic q8_0 path was barely faster than ggml's f16 one for
     drafts far further from f32 weights, and where f16 products now run an 8-wide kernel that keeps
-    the activations f32 (vendor/patches/0042, ~2x ggml's f16 path).
+    the activations f32 (old patch 0042, ~2x ggml's f16 path).
     """
     if backend.is_cpu and (amx_available() or vnni_available()):
         return "q8_0"
@@ -71,7 +71,7 @@ def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: i
 def repack_buffer(backend: Backend, dtype: str, out_features: int, in_features: int, bulk: bool = True) -> str | None:
     """The repacking buffer type an (out, in) `dtype` matrix that is only ever multiplied goes to:
     "AMX" (ggml's AMX kernels), else "CPU_REPACK" (our AVX512-VNNI kernels for q8_0 / q4_0 / q4_K /
-    q5_K / q6_K, vendor/patches/0010, 0020-0022; ggml's own AVX2 ones for other q4_0 / q4_K shapes:
+    q5_K / q6_K, old patch 0010, 0020-0022; ggml's own AVX2 ones for other q4_0 / q4_K shapes:
     capabilities.cpu_repack_kernel), else None (an ordinary buffer). `bulk`: as amx_eligible."""
     if amx_eligible(backend, dtype, out_features, in_features, bulk):
         return "AMX"
@@ -91,10 +91,10 @@ class BackendWeights:
 
     With `repack` (default) and q8_0 weights on a CPU with AMX, the matrices go to ggml's AMX
     buffer, which lays them out for its int8 tile kernels as they are uploaded; on a CPU without
-    AMX but with AVX512-VNNI, to the CPU_REPACK buffer for the VNNI kernel of vendor/patches/0010
+    AMX but with AVX512-VNNI, to the CPU_REPACK buffer for the VNNI kernel of old patch 0010
     (both much faster than the generic q8_0 path: benchmarks/README.md). With `dtype="native"`, a
     file's q4_0 / q4_K / q5_K / q6_K matrices go there too, for our VNNI kernels of those types
-    (vendor/patches/0020-0022), or for ggml's interleaved AVX2 kernels (q4_0 / q4_K shapes ours do not
+    (old patch 0020-0022), or for ggml's interleaved AVX2 kernels (q4_0 / q4_K shapes ours do not
     take, CPUs without VNNI) as llama.cpp runs them (`capabilities.cpu_repack_kernel` says which).
     Those tensors cannot be read back (`Tensor.numpy()` raises); `host` still has the values.
     """

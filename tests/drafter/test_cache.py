@@ -412,13 +412,13 @@ def test_threads_agree(cpu, weight_type):
 
 @pytest.mark.parametrize("cache_type", ["f16", "f32"])
 def test_bf16_attention(cpu, cpu_runs_bf16_attention, cache_type):
-    """attention="bf16" (vendor/patches/0009): the steps stay within bf16 rounding of the reference
+    """attention="bf16" (old patch 0009): the steps stay within bf16 rounding of the reference
     along a trajectory with fold-ins, bulk appends and a ring wrap; NaN in memory attention must
     ignore still never leaks; on CPUs with AMX-BF16 the bf16 products really ran."""
     from pyggml_dkv import bf16_attention_supported
 
     if not bf16_attention_supported():
-        pytest.skip("ggml built without vendor/patches/0009")
+        pytest.skip("ggml built without our bf16 attention kernel (fa-bf16)")
     cfg, w = make({"n_head": 4, "n_head_kv": 1, "block_size": 16, "layer_types": ["full", "sliding"],
                    "swa_window": 50})  # folded GQA (64 rows), head_dim 64
     ring, feats = feature_ring(cfg, 400)
@@ -445,5 +445,5 @@ def test_bf16_attention_refusals(small, cpu, monkeypatch):
     with pytest.raises(ValueError, match="attention"):
         DraftKvCache(bw, cpu, 10, attention="f16")
     monkeypatch.setattr(D, "bf16_attention_supported", lambda: False)
-    with pytest.raises(ValueError, match="0009"):
+    with pytest.raises(ValueError, match="'fa-bf16'"):
         DraftKvCache(bw, cpu, 10, attention="bf16")

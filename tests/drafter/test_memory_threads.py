@@ -9,7 +9,7 @@
 * the GIL is released during graph compute; caches with their own Backend compute in parallel in
   separate threads and give the serial results; two threads stepping one cache get a clear
   RuntimeError and the cache's state stays correct;
-* a thread waiting at a graph node's barrier sleeps instead of spinning (vendor/patches/0005),
+* a thread waiting at a graph node's barrier sleeps instead of spinning (old patch 0005),
   even under OMP_WAIT_POLICY=ACTIVE.
 
 Knobs: PYGGML_DKV_MEMORY_STEPS (default 4000; 100000 for the issue's figure, see docs/hardening.md),

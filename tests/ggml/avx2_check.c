@@ -74,7 +74,7 @@ int main(int argc, char ** argv) {
     fill(v, take(&cur, NKV_H*NKV*HD));
     fill(m, take(&cur, NKV_H*NQ*NKV));
 
-    // RMSNorm times its weights twice: once fusable (vendor/patches/0018), once with the norm an
+    // RMSNorm times its weights twice: once fusable (old patch 0018), once with the norm an
     // output of its own (never fused)
     struct ggml_tensor * fused    = ggml_mul(ctx, ggml_rms_norm(ctx, x, 1e-6f), wn);
     struct ggml_tensor * normed   = ggml_rms_norm(ctx, x, 1e-6f);

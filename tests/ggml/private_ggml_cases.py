@@ -8,12 +8,12 @@ from pathlib import Path
 from pyggml_dkv._cffi.stamp import BuildStamp
 
 
-def import_with_expected(version: str, patches: str, out_path: str) -> None:
-    """Make the package expect another ggml version (when given) or patch list, then import."""
+def import_with_expected(version: str, build_id: str, out_path: str) -> None:
+    """Make the package expect another ggml version or build id (when given), then import."""
     import pyggml_dkv._cffi.stamp as stamp
 
     real = stamp.expected_build()
-    fake = BuildStamp(version or real.version, real.variant, tuple(p for p in patches.split(",") if p))
+    fake = BuildStamp(version or real.version, real.variant, build_id or real.build_id)
     stamp.expected_build = lambda *args: fake
     try:
         import pyggml_dkv.ggml  # noqa: F401

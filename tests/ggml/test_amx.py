@@ -164,7 +164,7 @@ def amx_q8_0_products(n_threads: int, shapes: list[tuple[int, ...]]) -> list[flo
 @needs_amx
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_amx_product_at_every_row_count(n_threads):
-    """The AMX q8_0 product for row counts around its 16-row tiles (vendor/patches/0007 computes at
+    """The AMX q8_0 product for row counts around its 16-row tiles (old patch 0007 computes at
     most 16 rows per pass: 16 noise rows, 34 fold-in rows = 16 + 16 + 2; 0039 prepares each pass's
     rows once per product, a partial last block padded), against the exact arithmetic."""
     shapes = [(rows,) for rows in (1, 2, 5, 9, 15, 16, 17, 31, 32, 33, 34, 40, 64)]
@@ -185,7 +185,7 @@ def test_amx_products_of_batched_rows():
     """Activations as a batch (sequences x rows x k) times one 2-D AMX matrix: ggml broadcasts the
     matrix over the batch. ggml's AMX kernel stepped the matrix by the batch (reading past its end)
     and placed each batch's outputs at 4x their byte offset: garbage, then a corrupted heap
-    (vendor/patches/0040). In a child process: that failure aborts."""
+    (old patch 0040). In a child process: that failure aborts."""
     proc = run_in_child("tests.ggml.test_amx:amx_batched_products_child")
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
 
@@ -215,8 +215,8 @@ def test_extra_buffer_types_are_listed_by_name():
 @needs_amx
 def test_amx_survives_another_amx_user_on_the_same_thread():
     """oneDNN (PyTorch bf16 matmuls) releases the AMX tiles on the thread it ran on; ggml must
-    configure them again for its next product instead of dying with SIGILL (vendor/patches/0002),
-    and so must attention on AMX-BF16 tiles (attention="bf16", vendor/patches/0009)."""
+    configure them again for its next product instead of dying with SIGILL (old patch 0002),
+    and so must attention on AMX-BF16 tiles (attention="bf16", old patch 0009)."""
     pytest.importorskip("torch")
     proc = run_in_child("tests.ggml.amx_child:amx_next_to_torch")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.returncode, proc.stderr[-2000:])
@@ -248,16 +248,16 @@ def test_cpu_repack_refuses_q8_0_without_the_vnni_kernel(cpu, monkeypatch):
             Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()["CPU_REPACK"], cpu)
 
 
-def test_amx_needs_the_patched_build(monkeypatch):
-    """On a CPU with AMX tiles our build uses them; a GGML_SRC build lacks vendor/patches/0002,
+def test_amx_needs_the_fixed_build(monkeypatch):
+    """On a CPU with AMX tiles our build uses them; a GGML_SRC build lacks our AMX fix (AMX_KERNEL),
     whose absence means SIGILL on GCC 12: no AMX then."""
     import pyggml_dkv.ggml.capabilities as G
 
     if "AMX" not in cpu_extra_buffer_types():
         pytest.skip("this CPU (or its kernel) offers no AMX tiles")
     monkeypatch.delenv("PYGGML_DKV_NO_AMX", raising=False)
-    assert G.AMX_PATCH in G.built_with_patches() and G.amx_available()
-    monkeypatch.setattr(G, "built_with_patches", lambda: ())
+    assert G.AMX_KERNEL in G.built_capabilities() and G.amx_available()
+    monkeypatch.setattr(G, "built_capabilities", lambda: frozenset())
     assert not G.amx_available()
 
 
@@ -389,6 +389,6 @@ def test_q4_0_prefers_our_vnni_kernel_to_ggmls_amx_one(cpu, monkeypatch):
         pytest.skip("no VNNI kernels in this build")
     assert repack_buffer(cpu, "q4_0", 1024, 1024) == "CPU_REPACK"
     assert repack_buffer(cpu, "q8_0", 1024, 1024) == "AMX"
-    patches = tuple(p for p in C.built_with_patches() if not p.startswith("0022"))
-    monkeypatch.setattr(C, "built_with_patches", lambda: patches)
+    kernels = C.built_capabilities() - {C.Q4_0_VNNI_KERNEL}
+    monkeypatch.setattr(C, "built_capabilities", lambda: kernels)
     assert repack_buffer(cpu, "q4_0", 1024, 1024) == "AMX"

@@ -76,7 +76,7 @@ def avx2_check() -> Path:
 def test_avx2_only_build_runs_the_drafter_ops(avx2_check: Path, tmp_path: Path) -> None:
     """RMSNorm x weights fused and unfused (bit for bit equal), an f16, a q8_0 and a bf16 product over
     16 columns and the f16 / bf16 ones over 37 rows x 9 columns (f16 and bf16 on the AVX2 narrow
-    kernel, vendor/patches/0042: the columns stay f32), and flash attention with a mask plane per head group over 267 f16 keys (a masked
+    kernel, old patch 0042: the columns stay f32), and flash attention with a mask plane per head group over 267 f16 keys (a masked
     whole tile, a row seeing one key), 2 threads, against float64 math."""
     rng = np.random.default_rng(7)
     x = rng.standard_normal((T, D)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""ggml's node barrier (vendor/patches/0005): a waiting thread sleeps instead of spinning."""
+"""ggml's node barrier (old patch 0005): a waiting thread sleeps instead of spinning."""
 
 from __future__ import annotations
 
@@ -8,20 +8,21 @@ import sys
 
 import pytest
 
-from pyggml_dkv.ggml import built_with_patches
+from pyggml_dkv.ggml import built_capabilities
+from pyggml_dkv.ggml.capabilities import BARRIER_FUTEX
 from tests.child import run_in_child
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the futex barrier is Linux-only")
 def test_waiting_thread_sleeps_in_graph_barriers():
-    """With vendor/patches/0005 a thread waiting at a node's barrier spins a few pauses and then
+    """With old patch 0005 a thread waiting at a node's barrier spins a few pauses and then
     sleeps (256-4096 pauses, adapted by 0014: back to 256 after every wait that ended asleep, so a
     thread whose waits are long, like this graph's, spins 256), even under OMP_WAIT_POLICY=ACTIVE
     (which makes `omp barrier` spin without end: on a shared machine that burns the time slices a
     descheduled partner needs, see benchmarks/README.md). A graph of single-threaded nodes then
     costs one core, not two."""
-    if "0005-cpu-barrier-spin-then-futex.patch" not in built_with_patches():
-        pytest.skip("ggml built without vendor/patches/0005 (its barrier is `omp barrier`)")
+    if BARRIER_FUTEX not in built_capabilities():
+        pytest.skip(f"ggml built without our barrier ({BARRIER_FUTEX}: its barrier is `omp barrier`)")
     env = dict(os.environ, OMP_WAIT_POLICY="ACTIVE", OPENBLAS_NUM_THREADS="1")
     proc = run_in_child("tests.ggml.barrier_child:run", env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""bf16 weights times a draft block's few f32 columns, by kernel (vendor/patches/0019, 0029, 0041).
+"""bf16 weights times a draft block's few f32 columns, by kernel (old patch 0019, 0029, 0041).
 
 Where AMX-BF16 tiles cannot take a product, its arithmetic depends on the CPU: vdpbf16ps (0019:
 columns rounded to bf16, exact bf16 products, f32 sums) on AMD's cores, where it runs at twice the
@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from pyggml_dkv.common.numeric import relative_error
-from pyggml_dkv.ggml import Backend, bf16_matmul_kernel, bf16_products_on_fma, built_with_patches, cpu_features
+from pyggml_dkv.ggml import Backend, bf16_matmul_kernel, bf16_products_on_fma, built_capabilities, cpu_features
 from pyggml_dkv.ggml import capabilities
 from tests.child import run_in_child
 from tests.ggml.bf16_child import SHAPES, operands
 from tests.ggml.helpers import as_bf16
 
-FMA_PATCH = capabilities.BF16_MATMUL_FMA_PATCH
+FMA_KERNEL = capabilities.BF16_MATMUL_FMA_KERNEL
 
 
 def expected(kernel: str, w: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -53,7 +53,7 @@ def test_each_kernel_is_its_arithmetic(tmp_path, monkeypatch, choice):
         name = f"{m}x{k}x{n}"
         kernel = kernels[name]
         assert kernel in ("avx512_fma", "avx512_bf16", "avx2_fma", "ggml"), kernel
-        if FMA_PATCH in built_with_patches() and cpu_features()["avx512"]:
+        if FMA_KERNEL in built_capabilities() and cpu_features()["avx512"]:
             want_kernel = "avx512_bf16" if choice == "dpbf16" and cpu_features()["avx512_bf16"] else "avx512_fma"
             if choice == "":
                 want_kernel = "avx512_fma" if bf16_products_on_fma() else "avx512_bf16"
@@ -73,8 +73,8 @@ def test_each_kernel_is_its_arithmetic(tmp_path, monkeypatch, choice):
 def test_the_kernel_rule(monkeypatch):
     """The rule Python mirrors from patch 0041: AMD keeps vdpbf16ps, every other CPU (and every CPU
     without AVX512-BF16) takes the FMAs; the switch forces either; a bad value is refused by name."""
-    if FMA_PATCH not in built_with_patches() or not cpu_features()["avx512"]:
-        pytest.skip("this build has no FMA kernel for bf16 weights (patch 0041, AVX-512)")
+    if FMA_KERNEL not in built_capabilities() or not cpu_features()["avx512"]:
+        pytest.skip(f"this build has no FMA kernel for bf16 weights ({FMA_KERNEL}, AVX-512)")
     monkeypatch.setenv("PYGGML_DKV_NO_AMX", "1")
     has_dpbf16 = cpu_features()["avx512_bf16"]
     for vendor, on_fma in (("AuthenticAMD", not has_dpbf16), ("GenuineIntel", True), ("", True)):

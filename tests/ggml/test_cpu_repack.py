@@ -1,5 +1,5 @@
 """Quantized weights in ggml's CPU_REPACK buffer besides q8_0 (tests/ggml/test_vnni.py): q4_0 / q4_K /
-q5_K / q6_K on our AVX512-VNNI kernels (vendor/patches/0020-0022) where the matrix has whole 16-row
+q5_K / q6_K on our AVX512-VNNI kernels (old patch 0020-0022) where the matrix has whole 16-row
 groups, q4_0 / q4_K on ggml's own interleaved AVX2 kernels (the ones llama.cpp runs) on other whole
 8-row groups or CPUs without VNNI. Without them a published Q4_K drafter ran at less than half
 llama.cpp's speed (benchmarks/README.md).
@@ -134,7 +134,7 @@ def test_q4_k_drafter_steps_on_the_repacked_kernels(cpu, tmp_path):
 # ------------------------------------------- q6_K, q4_K, q5_K and q4_0 on AVX512-VNNI (0020, 0021, 0022)
 VNNI_TYPES = ["q6_k", "q4_k", "q5_k", "q4_0"]
 needs_vnni_layouts = pytest.mark.skipif(not all(vnni_repack_fits(t, (256, 16)) for t in VNNI_TYPES),
-                                  reason="no VNNI kernels for these types here (patches 0020-0022 / AVX512-VNNI)")
+                                  reason="no VNNI kernels for these types here (vnni-q4_0 / -q4_k / -q5_k / -q6_k, AVX512-VNNI)")
 
 
 def _q6_k_blocks(raw: np.ndarray, n_rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -302,7 +302,7 @@ def test_vnni_k_quant_sums_at_their_extremes(ty):
     """Every code, scale and min at its largest (q4_K codes 15, q5_K 31, all 6-bit scales and mins
     63) times activations that quantize to +-127 throughout: the integer sums reach their bounds. q4_K
     scales each 16 inputs' sum (at most 16 * 15 * 127 = 30480, an int16) with one vpdpwssd
-    (vendor/patches/0038); a sum over more inputs would wrap there and miss the exact result by far."""
+    (old patch 0038); a sum over more inputs would wrap there and miss the exact result by far."""
     from pyggml_dkv.ggml import Backend
 
     n_out, k = 48, 512  # three 16-row groups: a pair tile (0023) and a single-group one
@@ -383,10 +383,10 @@ def test_vnni_products_of_batched_rows(cpu, ty):
 
 
 @needs_repack
-def test_kernel_rule_on_cpus_without_vnni_or_without_our_patches(monkeypatch):
+def test_kernel_rule_on_cpus_without_vnni_or_without_our_kernels(monkeypatch):
     """The rule's other branches, on this machine's ggml: without AVX512-VNNI (AVX2 only) our layouts
     are off and q4_0 / q4_K fall back to ggml's, q5_K / q6_K / q8_0 stay in ordinary buffers; a
-    build without patch 0022 (a ggml of one's own) keeps q4_0 on ggml's layout."""
+    build without our q4_0 VNNI kernel (a ggml of one's own) keeps q4_0 on ggml's layout."""
     from pyggml_dkv.ggml import capabilities
 
     monkeypatch.setattr(capabilities, "vnni_available", lambda: False)
@@ -394,11 +394,11 @@ def test_kernel_rule_on_cpus_without_vnni_or_without_our_patches(monkeypatch):
     assert cpu_repack_kernel("q4_0", (256, 16)) == "ggml's q4_0 8x8 (AVX2)"
     assert [cpu_repack_kernel(t, (256, 16)) for t in ("q5_k", "q6_k", "q8_0")] == [None, None, None]
     monkeypatch.undo()
-    without = tuple(p for p in capabilities.built_with_patches() if not p.startswith("0022"))
-    monkeypatch.setattr(capabilities, "built_with_patches", lambda: without)
+    without = capabilities.built_capabilities() - {capabilities.Q4_0_VNNI_KERNEL}
+    monkeypatch.setattr(capabilities, "built_capabilities", lambda: without)
     assert cpu_repack_kernel("q4_0", (256, 16)) == "ggml's q4_0 8x8 (AVX2)"
-    assert cpu_repack_kernel("q4_k", (256, 16)) == ("q4_K VNNI (patch 0021)" if capabilities.vnni_available() else
-                                                    "ggml's q4_K 8x8 (AVX2)")
+    assert cpu_repack_kernel("q4_k", (256, 16)) == ("q4_K VNNI (vnni-q4_k)" if capabilities.vnni_repack_fits("q4_k", (256, 16))
+                                                    else "ggml's q4_K 8x8 (AVX2)")
 
 
 @needs_repack
@@ -422,7 +422,9 @@ def test_type_names_in_any_case_take_the_same_buffer(cpu, ty):
             assert t.type == ty
             placed[name] = (buf.name, mul_mat_rows(cpu, t, x))
     want_buffer, want = placed[ty]
-    assert want_buffer != "CPU"  # the canonical spelling is repacked here (needs_repack)
+    # the canonical spelling is repacked where this build and CPU have a layout for the type (ggml's
+    # q4_0 / q4_K; q8_0 / q6_K only with our VNNI kernels), else all land in the CPU buffer
+    assert (want_buffer != "CPU") == cpu_repack_fits(ty, (256, 32)), (ty, want_buffer)
     for name, (buffer, got) in placed.items():
         assert buffer == want_buffer, (name, buffer)
         np.testing.assert_array_equal(got, want)

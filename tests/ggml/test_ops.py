@@ -40,7 +40,7 @@ def test_mul_mat_against_numpy(be, rng, wtype, tol):
         assert relative_error(got, x.astype(np.float64) @ w16.T) < 1e-3
 
 
-# the narrow kernels (f16: vendor/patches/0004; bf16: 0019, 0029, 0041): whether this CPU runs them
+# the narrow kernels (f16: old patch 0004; bf16: 0019, 0029, 0041): whether this CPU runs them
 # for a product (rows m, inputs k, columns n)
 NARROW_KERNELS = {"f16": lambda m, k, n: n <= 64 and ((k % 16 == 0 and lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c())
                                                     or (k % 8 == 0 and half_matmul_avx2())),
@@ -190,7 +190,7 @@ def test_flash_attn_ext_gqa_with_mask(be, rng, prec_f32):
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("n_q", [70, 32, 9])
 def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
-    """8+ query rows per head: ggml's tiled CPU flash-attention kernel as vendor/patches/0003 leaves it
+    """8+ query rows per head: ggml's tiled CPU flash-attention kernel as old patch 0003 leaves it
     (on AVX-512: its transposed-score form; elsewhere the row-major one).
 
     267 keys = four whole 64-key tiles + a partial one (vector and scalar tails): a fully masked
@@ -278,13 +278,13 @@ def test_flash_attn_ext_masked_non_finite_keys_stay_out(rng, kv_type, n_threads,
 @pytest.mark.parametrize("n_q", [64, 70])
 def test_flash_attn_ext_tiled_kernel_mask_per_head(rng, n_threads, prec_bf16, n_q):
     """A mask with a plane per query-head group (mask ne2 = 2, head h reads plane h % 2): the tiled
-    kernel scans each (plane, whole query tile, KV tile) once for every thread (vendor/patches/0017)
+    kernel scans each (plane, whole query tile, KV tile) once for every thread (old patch 0017)
     and reads those scans for whole tiles (64 rows: every chunk is a head's tile), and scans itself
     where a chunk cuts a tile short (70 rows with 2-3 threads: chunks of 64 rows cross the heads).
     The planes differ where it matters: a tile one plane masks whole and the other sees, a key one
     plane hides, a row seeing a single key in one plane only."""
     if prec_bf16 and not pyggml_dkv.bf16_attention_supported():
-        pytest.skip("ggml built without vendor/patches/0009")
+        pytest.skip("ggml built without our bf16 attention kernel (fa-bf16)")
     d, n_head, n_head_kv, n_kv = 64, 4, 2, 267
     q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
     k = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float16).astype(np.float32)
@@ -311,14 +311,14 @@ def test_flash_attn_ext_tiled_kernel_mask_per_head(rng, n_threads, prec_bf16, n_
 
 
 needs_bf16_attention = pytest.mark.skipif(not pyggml_dkv.bf16_attention_supported(),
-                                          reason="ggml built without vendor/patches/0009")
+                                          reason="ggml built without our bf16 attention kernel (fa-bf16)")
 
 
 @needs_bf16_attention
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("d,n_q,n_kv", [(64, 70, 267), (64, 9, 267), (128, 20, 150), (64, 64, 4128)])
 def test_flash_attn_ext_bf16_products(rng, cpu_runs_bf16_attention, n_threads, d, n_q, n_kv):
-    """prec_bf16 (vendor/patches/0009, 0011): on CPUs with AMX-BF16 or AVX512-BF16 both products take bf16 inputs with
+    """prec_bf16 (old patch 0009, 0011): on CPUs with AMX-BF16 or AVX512-BF16 both products take bf16 inputs with
     f32 sums, so the result is within bf16 rounding of the reference (and not the f32 result); the
     masking rules stay exact: keys no row may see hold NaN and must not reach the output, a row
     that sees one key returns that key's value (to bf16 precision)."""
@@ -372,8 +372,8 @@ def test_flash_attn_ext_bf16_refusals(monkeypatch):
         q, k = g.new_tensor("f32", 64, 8), g.new_tensor("f16", 64, 32)
         with pytest.raises(ValueError, match="exclude each other"):
             g.flash_attn_ext(q, k, k, None, 0.125, prec_f32=True, prec_bf16=True)
-        monkeypatch.setattr(G, "built_with_patches", lambda: ())
-        with pytest.raises(ValueError, match="0009"):
+        monkeypatch.setattr(G, "built_capabilities", lambda: frozenset())
+        with pytest.raises(ValueError, match="'fa-bf16'"):
             g.flash_attn_ext(q, k, k, None, 0.125, prec_bf16=True)
 
 
@@ -425,7 +425,7 @@ def test_flash_attn_ext_tiled_kernel_bias_and_softcap(rng, n_threads, d, n_q, so
 @pytest.mark.parametrize("shape, w_len", [((1024, 16), 1024), ((64, 16, 16), 64), ((70, 5), 70), ((24, 3, 2), 24)])
 def test_rms_norm_times_weights_fused_bit_identical(rng, n_threads, shape, w_len):
     """RMS_NORM followed by the MUL of its result by one row of weights (every norm of the drafter)
-    runs as one fused op (vendor/patches/0018) when the norm has no other use; its results must
+    runs as one fused op (old patch 0018) when the norm has no other use; its results must
     be those of the two ops bit for bit: the same graph with the norm's result also an output (so
     not fused) gives the reference, and both are the float64 math to f32 rounding. Rows of 1024,
     per-head 64, a 70-value row (a vector tail) and a 24-value one (mostly tail)."""

@@ -64,7 +64,7 @@ def test_symbol_reader_sees_exports_of_a_real_library():
 def test_package_data_ships_no_ggml_library():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pyggml_dkv"]
     assert not [pattern for pattern in data if pattern.startswith("_libs/lib")]
-    assert {"_libs/version", "_libs/variant", "_libs/patches"} <= set(data)
+    assert {"_libs/version", "_libs/variant", "_libs/build-id"} <= set(data)
 
 
 def test_cpu_backend_is_registered_in_the_static_build():
@@ -73,17 +73,31 @@ def test_cpu_backend_is_registered_in_the_static_build():
     assert any(d["name"] == "CPU" and d["registry"] == "CPU" for d in pyggml_dkv.list_devices())
 
 
-def test_extension_stamp_is_the_recorded_build_of_the_pin():
-    built = extension_build(_lowlevel.ffi, _lowlevel.lib)
+def test_extension_stamp_is_the_recorded_build_which_ggml_answers():
+    ffi, lib = _lowlevel.ffi, _lowlevel.lib
+    built = extension_build(ffi, lib)
     assert built == expected_build()
     assert built.variant == (PACKAGE / "_libs" / "variant").read_text().strip()
-    assert pyggml_dkv.ggml.built_with_patches() == built.patches
+    assert re.fullmatch(r"pyggml_dkv-[0-9a-f]{16}", built.build_id)
+    # the ggml answering the extension's calls is this build (llama.cpp's reports the same version)
+    assert ffi.string(lib.ggml_commit()).decode() == built.build_id
+    assert ffi.string(lib.ggml_version()).decode() == built.version
     pin = dict(line.split("=", 1) for line in (ROOT / "vendor" / "ggml.pin").read_text().splitlines()
                if "=" in line and not line.startswith("#"))
-    if built.patches:  # a pinned build (a GGML_SRC build applies no patches and has its own version)
+    if pyggml_dkv.ggml.built_capabilities():  # a pinned build (a GGML_SRC build carries nothing of ours)
         assert built.version == pin["GGML_VERSION"]
-        series = ROOT / "vendor" / "patches" / f"ggml-{pin['GGML_VERSION']}"
-        assert built.patches == tuple(sorted(p.name for p in series.glob("*.patch")))
+
+
+def test_capability_query_knows_every_name_the_build_recorded():
+    """kernels.c lists each capability it can report under its macro: a name build_ggml.sh recorded
+    for this build (from an applied patch) but kernels.c does not know would be lost silently."""
+    ffi, lib = _lowlevel.ffi, _lowlevel.lib
+    recorded = {name for name in ffi.string(lib.pyggml_dkv_build_capabilities()).decode().split(",") if name}
+    reported = pyggml_dkv.ggml.built_capabilities()
+    if "rpc" not in pyggml_dkv.ggml.built_backends():
+        recorded.discard(pyggml_dkv.ggml.RPC_ERRORS_FIX)  # reported only where the RPC backend was built
+    assert reported == recorded
+    assert all(re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name) for name in reported)
 
 
 def run_child(function: str, *args: str, tmp_path: Path) -> str:
@@ -99,23 +113,19 @@ def other_version(built_version: str) -> str:
     return "0.10.1" if built_version == "0.25.3" else "0.25.3"
 
 
-@pytest.mark.parametrize("change", ["version", "patches"])
+@pytest.mark.parametrize("change", ["version", "build"])
 def test_stamp_mismatch_is_an_import_error_naming_both(change, tmp_path):
     built = extension_build(_lowlevel.ffi, _lowlevel.lib)
     version = other_version(built.version) if change == "version" else ""
-    if change == "patches":  # one patch fewer, or (a GGML_SRC build has none) one more
-        patches = ",".join(built.patches[:-1] if built.patches else ("0009-cpu-flash-attn-bf16-amx.patch",))
-    else:
-        patches = ",".join(built.patches)
-    message = run_child("import_with_expected", version, patches, tmp_path=tmp_path)
+    build_id = "pyggml_dkv-0123456789abcdef" if change == "build" else ""  # e.g. ggml rebuilt, extension not
+    message = run_child("import_with_expected", version, build_id, tmp_path=tmp_path)
     assert message.startswith("ImportError: ")
-    fake = BuildStamp(version or built.version, built.variant, tuple(p for p in patches.split(",") if p))
+    fake = BuildStamp(version or built.version, built.variant, build_id or built.build_id)
     assert str(built) in message and str(fake) in message
 
 
 def test_unchanged_expectation_imports(tmp_path):
-    built = extension_build(_lowlevel.ffi, _lowlevel.lib)
-    assert run_child("import_with_expected", "", ",".join(built.patches), tmp_path=tmp_path) == "imported"
+    assert run_child("import_with_expected", "", "", tmp_path=tmp_path) == "imported"
 
 
 class _FakeFfi:
@@ -127,8 +137,8 @@ class _FakeFfi:
 class _ForeignGgml:
     """An extension whose stamp is ours but whose ggml calls reach another ggml (the old failure)."""
 
-    def __init__(self, built: BuildStamp, running_version: str) -> None:
-        self.built, self.running_version = built, running_version
+    def __init__(self, built: BuildStamp, running_commit: str) -> None:
+        self.built, self.running_commit = built, running_commit
 
     def pyggml_dkv_built_ggml_version(self) -> bytes:
         return self.built.version.encode()
@@ -136,21 +146,26 @@ class _ForeignGgml:
     def pyggml_dkv_built_variant(self) -> bytes:
         return self.built.variant.encode()
 
-    def pyggml_dkv_built_patches(self) -> bytes:
-        return ",".join(self.built.patches).encode()
+    def pyggml_dkv_built_ggml_build_id(self) -> bytes:
+        return self.built.build_id.encode()
 
     def ggml_version(self) -> bytes:
-        return self.running_version.encode()
+        return self.built.version.encode()  # llama.cpp's ggml reports the same version as ours
+
+    def ggml_commit(self) -> bytes:
+        return self.running_commit.encode()
 
 
 def test_another_ggml_answering_is_an_import_error():
+    """The version cannot tell: llama.cpp's ggml (llama-cpp-python 0.3.36) is 0.25.3 too. The build
+    id, which build_ggml.sh makes ggml's commit string, can."""
     built = expected_build()
-    assert check_extension(_FakeFfi(), _ForeignGgml(built, built.version)) == built
-    other = other_version(built.version)
-    with pytest.raises(ImportError, match=rf"built with ggml .* but the ggml answering its calls is version {re.escape(other)}"):
-        check_extension(_FakeFfi(), _ForeignGgml(built, other))
+    assert check_extension(_FakeFfi(), _ForeignGgml(built, built.build_id)) == built
+    with pytest.raises(ImportError, match=rf"built with ggml build {re.escape(built.build_id)}, but the ggml answering "
+                                          r"its calls is build 'b1-4f2c'"):
+        check_extension(_FakeFfi(), _ForeignGgml(built, "b1-4f2c"))
 
 
 def test_missing_record_names_what_is_missing(tmp_path):
     stamp = _stamp.expected_build(tmp_path)
-    assert stamp.version == "(not recorded)" and stamp.patches == ()
+    assert stamp.version == stamp.build_id == "(not recorded)"

@@ -1,4 +1,4 @@
-"""q8_0 weights repacked for the AVX512-VNNI kernel (vendor/patches/0010, CPUs without AMX).
+"""q8_0 weights repacked for the AVX512-VNNI kernel (old patch 0010, CPUs without AMX).
 
 The kernel tests run where ggml carries the patch and was compiled for AVX512-VNNI (AMD Zen 4/5,
 Intel Ice Lake / Cascade Lake and later), on a Xeon with AMX in a child with PYGGML_DKV_NO_AMX=1
@@ -27,7 +27,7 @@ from tests.ggml.helpers import mul_mat_rows, quantize_q8_0_rows
 # on a CPU with AMX the AMX buffer takes some q8_0 matrices (the fold-in's) and the rules these
 # tests check differ: there they run in a PYGGML_DKV_NO_AMX=1 child (the last test)
 needs_vnni = pytest.mark.skipif(not vnni_available() or amx_available(),
-                                reason="no VNNI q8_0 kernel here (no patch 0010 / AVX512-VNNI), or an AMX CPU "
+                                reason="no VNNI q8_0 kernel here (vnni-q8_0 / AVX512-VNNI), or an AMX CPU "
                                        "(where a PYGGML_DKV_NO_AMX=1 child runs these)")
 
 CFG = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8,
@@ -187,7 +187,7 @@ def test_no_amx_switch_leaves_q8_0_on_vnni_where_it_can(cpu, monkeypatch):
     assert repack_buffer(cpu, "q8_0", 64, 64) == want
     assert G.bf16_attention_kernel() != "amx"  # ggml reads the same switch (patch 0011)
     assert repack_buffer(cpu, "f16", 64, 64) is None
-    monkeypatch.setattr(C, "built_with_patches", lambda: ())  # where vnni_available() looks it up
+    monkeypatch.setattr(C, "built_capabilities", lambda: frozenset())  # where vnni_available() looks it up
     assert not G.vnni_available() and repack_buffer(cpu, "q8_0", 64, 64) is None
 
 

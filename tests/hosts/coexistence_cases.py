@@ -116,6 +116,8 @@ def ggml_answers(pyggml_dkv: Any, lowlevel: Any) -> dict[str, Any]:
              for name, value in pyggml_dkv.ggml.TYPES.items()}
     return {
         "ggml_version": ffi.string(lib.ggml_version()).decode(),
+        # llama.cpp's ggml reports the same version; our build id (ggml's commit string) tells them apart
+        "ggml_commit": ffi.string(lib.ggml_commit()).decode(),
         "type_names": types,
         "bf16_attention_supported": pyggml_dkv.bf16_attention_supported(),
         "backends": [(b.name, b.available) for b in pyggml_dkv.available_backends()],

@@ -60,6 +60,7 @@ def test_isolated_processes_are_what_the_cases_compare_with(isolated):
     ours, llama = isolated["isolated_pyggml"], isolated["isolated_llama"]
     assert ours["mapped_ggml_libraries"] == []  # ggml lives inside the extension
     assert ours["ggml"]["ggml_version"] == (ROOT / "pyggml_dkv" / "_libs" / "version").read_text().strip()
+    assert ours["ggml"]["ggml_commit"] == (ROOT / "pyggml_dkv" / "_libs" / "build-id").read_text().strip()
     assert ("cpu", True) in [tuple(b) for b in ours["ggml"]["backends"]]
     assert ["CPU", "CPU"] in ours["ggml"]["devices"]
     assert len(llama["llama"]["tokens"]) == 16

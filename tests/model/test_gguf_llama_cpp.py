@@ -81,7 +81,7 @@ def commits_trajectory(rng, cap: int, q_len: int, n: int) -> list[int]:
 # measured (AMD EPYC Zen 5, 1 thread; flash attention off and on alike): f16 8.2e-4 (llama.cpp
 # vs the float64 reference 8.2e-4, ours 2.2e-4); q8_0 1.7e-2 (both sides quantize activations
 # to q8_0 in every product, each with its own rounding); Q4_K_M 2.3e-2 (q8_K activations; ours on
-# the VNNI kernels of vendor/patches/0020-0021, llama.cpp on its own; each 2.4e-2 from the
+# the VNNI kernels of old patch 0020-0021, llama.cpp on its own; each 2.4e-2 from the
 # reference). Tolerances ~2.5x those.
 TOL = {("f16", False): 2e-3, ("f16", True): 2e-3, ("q8_0", False): 4e-2, ("q8_0", True): 4e-2,
        ("q4_k_m", False): 6e-2, ("q4_k_m", True): 6e-2}

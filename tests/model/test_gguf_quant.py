@@ -32,7 +32,7 @@ N_VOCAB = 128
 # f16 1.4e-4 / 1.1e-4 (activations in f16); bf16 3.4e-3 / 4.2e-3 (bf16: 8-bit mantissa);
 # q8_0 1.4e-2 / 1.4e-2 and q4_0 1.3e-2 / 1.5e-2 (activations in q8_0: int8 per 32 values);
 # q4_k 2.3e-2 / 2.0e-2, q5_k 2.1e-2 / 2.3e-2, q6_k 2.3e-2 / 2.4e-2 (2.1e-2 / 2.0e-2 on the VNNI
-# kernel of vendor/patches/0020, which also quantizes per 256) (q8_K: int8 per 256 values,
+# kernel of old patch 0020, which also quantizes per 256) (q8_K: int8 per 256 values,
 # so one outlier coarsens more values). The weights themselves are exact (the reference
 # computes with the dequantized blocks), which is why q6_k is no closer than q4_k.
 TOL = {

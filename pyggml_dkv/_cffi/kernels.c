@@ -1,0 +1,49 @@
+/* The extension's one capability query: which of our fixes to ggml's own code and of our kernels
+   this build carries (docs/ggml-port-plan.md, step 3). Decided at compile time from the macros
+   build_ggml.sh writes into _libs/include/pyggml_dkv_build.h, one per applied patch (from the
+   "Pyggml-Dkv-Capability:" line of its header) and, later, one per kernel file. Python asks this
+   (pyggml_dkv.ggml.built_capabilities) and never looks at patch files.
+
+   Also the build stamp the import-time check compares (pyggml_dkv/_cffi/stamp.py): the ggml
+   version, variant and build id the extension was compiled against. ggml_commit() of the ggml
+   that actually answers the extension's calls must return the same build id. */
+
+#include "custom_ops.h"
+#include "pyggml_dkv_build.h"
+
+#if defined(PYGGML_DKV_HAS_RPC_ERRORS) && defined(PYGGML_DKV_WITH_RPC)
+#include "ggml-rpc.h"
+#ifndef GGML_RPC_FAILURES_ARE_ERRORS
+#error "the build says it carries rpc-errors, but ggml-rpc.h does not declare it"
+#endif
+#endif
+
+/* each name preceded by a comma; the query skips the first */
+static const char kernels[] = ""
+#ifdef PYGGML_DKV_HAS_FA_MASKED_KEYS
+    ",fa-masked-keys"   /* P5: masked non-finite K/V stay out of ggml's tiled flash attention */
+#endif
+#if defined(PYGGML_DKV_HAS_RPC_ERRORS) && defined(PYGGML_DKV_WITH_RPC)
+    ",rpc-errors"       /* P3: RPC failures are errors, timeouts, the server's device-type command */
+#endif
+    ;
+
+const char * pyggml_dkv_kernels(void) {
+    return kernels[0] ? kernels + 1 : kernels;
+}
+
+const char * pyggml_dkv_build_capabilities(void) {
+    return PYGGML_DKV_BUILD_CAPABILITIES;
+}
+
+const char * pyggml_dkv_built_ggml_version(void) {
+    return PYGGML_DKV_GGML_VERSION;
+}
+
+const char * pyggml_dkv_built_variant(void) {
+    return PYGGML_DKV_GGML_VARIANT;
+}
+
+const char * pyggml_dkv_built_ggml_build_id(void) {
+    return PYGGML_DKV_GGML_BUILD_ID;
+}
