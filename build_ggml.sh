@@ -83,6 +83,22 @@ fetch_pinned_source() {
     # top-level project; we delete the pkg-config file after the install anyway, so a stub will do
     [ -f "$tmp/$GGML_SDIST_SUBDIR/ggml.pc.in" ] \
         || echo "# pkg-config file not shipped in the llama.cpp copy of ggml (build_ggml.sh)" > "$tmp/$GGML_SDIST_SUBDIR/ggml.pc.in"
+    # The build folder's objects are judged by time stamps, and tar restores the archive's (2022):
+    # after a switch of patch series a file patched before would look older than its object and
+    # never be recompiled. So a file whose content changed against the previous tree is stamped
+    # now, one that did not keeps the previous tree's stamp (no needless rebuild).
+    local new="$tmp/$GGML_SDIST_SUBDIR" f
+    if [ -d "$dest" ]; then
+        while IFS= read -r -d '' f; do
+            if [ -f "$dest/$f" ] && cmp -s "$dest/$f" "$new/$f"; then
+                touch -r "$dest/$f" "$new/$f"
+            else
+                touch "$new/$f"
+            fi
+        done < <(cd "$new" && find . -type f -print0)
+    else
+        find "$new" -type f -exec touch {} +
+    fi
     rm -rf "$dest"
     mv "$tmp/$GGML_SDIST_SUBDIR" "$dest"
     rm -rf "$tmp"
