@@ -8,8 +8,9 @@
 #   GGML_CUDA=1 ./build_ggml.sh     + CUDA backend (cuBLAS from the toolkit or the nvidia-cublas wheel)
 #   GGML_RPC=0 ./build_ggml.sh      without the RPC backend (built by default)
 #   GGML_SRC=/path ./build_ggml.sh  build a ggml checkout of your own instead of the pin
-#   GGML_PATCHES=none ./build_ggml.sh  build the pinned ggml without our patches (default: all, i.e.
-#                                      vendor/patches/ggml-$GGML_VERSION/*.patch)
+#   GGML_PATCHES=none ./build_ggml.sh  build the pinned ggml without our patches and kernels (default:
+#                                      all, i.e. vendor/patches/ggml-$GGML_VERSION/*.patch, and
+#                                      vendor/kernels/ copied into src/ggml-cpu/dkv/, GGML_CPU_DKV=ON)
 #
 # Other knobs: CUDA_ARCHITECTURES (default: native when a GPU is visible, else 90),
 # GGML_BUILD_TYPE (Release), GGML_JOBS (nproc), GGML_SANITIZE=address (ASan build),
@@ -79,6 +80,13 @@ fetch_pinned_source() {
         patch -s -p1 --fuzz=0 -d "$tmp/$GGML_SDIST_SUBDIR" < "$p" \
             || { rm -rf "$tmp"; die "patch $(basename "$p") does not apply to ggml $GGML_VERSION (GGML_PATCHES=none builds it unpatched)"; }
     done
+    # our kernel files, behind the series' hook (GGML_CPU_DKV, ggml-cpu's extra buffer types)
+    if [ ${#KERNELS[@]} -gt 0 ]; then
+        grep -q GGML_USE_CPU_DKV "$tmp/$GGML_SDIST_SUBDIR/src/ggml-cpu/ggml-cpu.cpp" \
+            || { rm -rf "$tmp"; die "vendor/kernels needs the hook patch (GGML_CPU_DKV) in vendor/patches/ggml-$GGML_VERSION"; }
+        mkdir -p "$tmp/$GGML_SDIST_SUBDIR/src/ggml-cpu/dkv"
+        cp "${KERNELS[@]}" "$tmp/$GGML_SDIST_SUBDIR/src/ggml-cpu/dkv/"
+    fi
     # llama.cpp's copy of ggml lacks ggml.pc.in, which ggml's CMakeLists configures when it is the
     # top-level project; we delete the pkg-config file after the install anyway, so a stub will do
     [ -f "$tmp/$GGML_SDIST_SUBDIR/ggml.pc.in" ] \
@@ -111,13 +119,16 @@ fetch_pinned_source() {
 # new release starts there).
 PATCH_DIR="$VENDOR/patches/ggml-$GGML_VERSION"
 case "${GGML_PATCHES:-all}" in
-    all)  shopt -s nullglob; PATCHES=("$PATCH_DIR"/*.patch); shopt -u nullglob ;;
-    none) PATCHES=() ;;
+    all)  shopt -s nullglob
+          PATCHES=("$PATCH_DIR"/*.patch)
+          KERNELS=("$VENDOR"/kernels/*.c "$VENDOR"/kernels/*.cpp "$VENDOR"/kernels/*.h)
+          shopt -u nullglob ;;
+    none) PATCHES=(); KERNELS=() ;;
     *)    die "GGML_PATCHES=${GGML_PATCHES} (expected all or none)" ;;
 esac
 SOURCE_ID="$GGML_SDIST_SHA256"
-if [ ${#PATCHES[@]} -gt 0 ]; then
-    SOURCE_ID="$SOURCE_ID+$(cat "${PATCHES[@]}" | sha256sum | cut -c1-16)"
+if [ ${#PATCHES[@]} -gt 0 ] || [ ${#KERNELS[@]} -gt 0 ]; then
+    SOURCE_ID="$SOURCE_ID+$( (cat "${PATCHES[@]}" /dev/null; for k in "${KERNELS[@]}"; do basename "$k"; cat "$k"; done) | sha256sum | cut -c1-16)"
 else
     SOURCE_ID="$SOURCE_ID+unpatched"
 fi
@@ -134,16 +145,24 @@ else
 fi
 
 # what each applied patch brings: its header names it on one line "Pyggml-Dkv-Capability: NAME"
-# (a git trailer). The names become macros of _libs/include/pyggml_dkv_build.h, which the
-# extension's capability query (pyggml_dkv/_cffi/kernels.c) is compiled from; nothing reads the
-# patch files later. A GGML_SRC build carries none.
+# (a git trailer); each kernel .c / .cpp file on one line "// Pyggml-Dkv-Capability: NAME". The
+# names become macros of _libs/include/pyggml_dkv_build.h, which the extension's capability query
+# (pyggml_dkv/_cffi/kernels.c) is compiled from; nothing reads these files later. A GGML_SRC
+# build carries none.
 CAPABILITIES=()
+capability_of() {  # file, line prefix
+    local cap
+    cap="$(sed -n "s|^$2Pyggml-Dkv-Capability: \([a-z0-9][a-z0-9_-]*\)\$|\1|p" "$1")"
+    [ -n "$cap" ] && [ "$(printf '%s\n' "$cap" | wc -l)" = 1 ] \
+        || die "$(basename "$1") must name what it brings on exactly one line '$2Pyggml-Dkv-Capability: name' (a-z, 0-9, _ and -)"
+    CAPABILITIES+=("$cap")
+}
 if [ "${SRC_ID#custom:}" = "$SRC_ID" ]; then
     for p in "${PATCHES[@]}"; do
-        cap="$(sed -n 's/^Pyggml-Dkv-Capability: \([a-z0-9][a-z0-9_-]*\)$/\1/p' "$p")"
-        [ -n "$cap" ] && [ "$(printf '%s\n' "$cap" | wc -l)" = 1 ] \
-            || die "$(basename "$p") must name what it brings on exactly one line 'Pyggml-Dkv-Capability: name' (a-z, 0-9, _ and -)"
-        CAPABILITIES+=("$cap")
+        capability_of "$p" ""
+    done
+    for k in "${KERNELS[@]}"; do
+        case "$k" in *.h) ;; *) capability_of "$k" "// " ;; esac
     done
 fi
 
@@ -168,6 +187,10 @@ CMAKE_ARGS=(
     -DCMAKE_INSTALL_LIBDIR=lib
 )
 VARIANT="cpu"
+# our kernel files (vendor/kernels, copied into src/ggml-cpu/dkv/ of the pinned source)
+if [ ${#KERNELS[@]} -gt 0 ] && [ "${SRC_ID#custom:}" = "$SRC_ID" ]; then
+    CMAKE_ARGS+=(-DGGML_CPU_DKV=ON)
+fi
 # what the extension must link besides the static ggml libraries (written to _libs/link-args for
 # pyggml_dkv/_cffi/build.py): shared system and toolkit libraries, which are safe to share
 LINK_ARGS=(-lstdc++ -lm -ldl -lpthread)

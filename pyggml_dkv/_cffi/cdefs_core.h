@@ -233,6 +233,8 @@ ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
 size_t             ggml_backend_dev_count(void);
 ggml_backend_dev_t ggml_backend_dev_get(size_t index);
 ggml_backend_dev_t ggml_backend_dev_by_name(const char * name);
+ggml_backend_dev_t ggml_backend_buft_get_device(ggml_backend_buffer_type_t buft);
+bool               ggml_backend_dev_supports_buft(ggml_backend_dev_t device, ggml_backend_buffer_type_t buft);
 void *             ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
 /* obtained with ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts") */
 typedef ggml_backend_buffer_type_t * (*ggml_backend_dev_get_extra_bufts_t)(ggml_backend_dev_t device);

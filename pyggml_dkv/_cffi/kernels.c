@@ -26,6 +26,12 @@ static const char kernels[] = ""
 #if defined(PYGGML_DKV_HAS_RPC_ERRORS) && defined(PYGGML_DKV_WITH_RPC)
     ",rpc-errors"       /* P3: RPC failures are errors, timeouts, the server's device-type command */
 #endif
+#ifdef PYGGML_DKV_HAS_CPU_DKV_HOOK
+    ",cpu-dkv-hook"     /* P1: ggml-cpu compiles our kernel files behind their extra buffer type */
+#endif
+#if defined(PYGGML_DKV_HAS_DKV_BUFFER) && defined(PYGGML_DKV_HAS_CPU_DKV_HOOK)
+    ",dkv-buffer"       /* vendor/kernels/buffer.cpp: the CPU_DKV extra buffer type (no kernels yet) */
+#endif
     ;
 
 const char * pyggml_dkv_kernels(void) {

@@ -143,6 +143,11 @@ def built_capabilities() -> frozenset[str]:
 # Python exception, not an abort or a hang; masked non-finite K/V stay out of ggml's tiled attention
 RPC_ERRORS_FIX = "rpc-errors"
 FA_MASKED_KEYS_FIX = "fa-masked-keys"
+# ggml-cpu compiles our kernel files (vendor/kernels) behind their own extra buffer type (P1), and
+# that buffer type, "CPU_DKV", is registered (first among cpu_extra_buffer_types())
+CPU_DKV_HOOK = "cpu-dkv-hook"
+DKV_BUFFER_KERNEL = "dkv-buffer"
+DKV_BUFFER_TYPE = "CPU_DKV"
 # ggml's node barrier spins a few pauses, then sleeps on a futex, also in OpenMP builds (P2)
 BARRIER_FUTEX = "barrier-futex"
 # f16 weights times up to 64 f32 columns on AVX-512 FMAs (our narrow product; ggml rounds the
