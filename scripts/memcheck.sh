@@ -40,6 +40,7 @@ if [ ! -f "$PREFIX/lib/libggml-cpu.a" ] || [ "$(cat "$PREFIX/.source" 2>/dev/nul
         -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
         -DGGML_AVX512=OFF -DGGML_OPENMP=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF -DGGML_CCACHE=OFF \
         -DCMAKE_INSTALL_LIBDIR=lib -DGIT_EXE="$BUILD.commit-stamp" \
+        "-DGGML_CPU_DKV=$([ -d "$SRC/src/ggml-cpu/dkv" ] && echo ON || echo OFF)" \
         > "$BUILD.configure.log" 2>&1 || { tail -n 30 "$BUILD.configure.log" >&2; exit 2; }
     cmake --build "$BUILD" -j "${GGML_JOBS:-$(nproc)}" > "$BUILD.build.log" 2>&1 || { tail -n 30 "$BUILD.build.log" >&2; exit 2; }
     cmake --install "$BUILD" --prefix "$PREFIX" > "$BUILD.install.log" 2>&1 || { tail -n 20 "$BUILD.install.log" >&2; exit 2; }

@@ -27,7 +27,10 @@ SRC = ROOT / "vendor" / "ggml"
 BUILD = ROOT / "vendor" / "build" / "avx2-check"
 CMAKE_ARGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON",
               "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
-              "-DGGML_OPENMP=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF"]
+              "-DGGML_OPENMP=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
+              # our kernel files (vendor/kernels, copied there by build_ggml.sh) compile here too:
+              # their guards around AVX-512 code are checked by this build
+              f"-DGGML_CPU_DKV={'ON' if (SRC / 'src' / 'ggml-cpu' / 'dkv').is_dir() else 'OFF'}"]
 T, D, MF, MQ, HD, NQ, NH, NKV_H, NKV = 16, 256, 96, 64, 64, 70, 4, 2, 267
 
 
