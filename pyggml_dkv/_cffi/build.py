@@ -69,6 +69,9 @@ def make_ffibuilder() -> FFI:
     if "rpc" in optional and "GGML_RPC_FAILURES_ARE_ERRORS" in (INCLUDE_DIR / "ggml-rpc.h").read_text():
         # our RPC error patch (failures as errors, not aborts); an unpatched ggml aborts instead
         cdefs += (HERE / "cdefs_rpc_errors.h").read_text()
+    if "ggml_graph_renew_uid" in (INCLUDE_DIR / "ggml.h").read_text():
+        # our graph-uid patch: a graph built once is recomputed by its uid (RPC: GRAPH_RECOMPUTE)
+        cdefs += (HERE / "cdefs_graph_uid.h").read_text()
     source = "\n".join(f'#include "{h}"' for h in [*includes, "custom_ops.h"]) + "\n"
     # kernels.c reports the RPC fix only where the RPC backend was built
     macros = [("PYGGML_DKV_WITH_RPC", "1")] if "rpc" in optional else []

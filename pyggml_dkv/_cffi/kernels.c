@@ -26,6 +26,9 @@ static const char kernels[] = ""
 #if defined(PYGGML_DKV_HAS_RPC_ERRORS) && defined(PYGGML_DKV_WITH_RPC)
     ",rpc-errors"       /* P3: RPC failures are errors, timeouts, the server's device-type command */
 #endif
+#ifdef PYGGML_DKV_HAS_GRAPH_UID
+    ",graph-uid"        /* ggml_graph_renew_uid: a graph built once is recomputed by its uid (RPC) */
+#endif
 #ifdef PYGGML_DKV_HAS_CPU_DKV_HOOK
     ",cpu-dkv-hook"     /* P1: ggml-cpu compiles our kernel files behind their extra buffer type */
 #endif

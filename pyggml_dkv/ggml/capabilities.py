@@ -143,6 +143,9 @@ def built_capabilities() -> frozenset[str]:
 # Python exception, not an abort or a hang; masked non-finite K/V stay out of ggml's tiled attention
 RPC_ERRORS_FIX = "rpc-errors"
 FA_MASKED_KEYS_FIX = "fa-masked-keys"
+# a graph built once carries a uid (ggml_graph_renew_uid), so ggml's RPC client resends only
+# GRAPH_RECOMPUTE for it (ggml 0.25.3 reuses a graph by uid; only its scheduler could set one)
+GRAPH_UID_FIX = "graph-uid"
 # ggml-cpu compiles our kernel files (vendor/kernels) behind their own extra buffer type (P1), and
 # that buffer type, "CPU_DKV", is registered (first among cpu_extra_buffer_types())
 CPU_DKV_HOOK = "cpu-dkv-hook"

@@ -83,6 +83,7 @@ class Gallocr(Owned):
         self._buffers.update(own)
         self._graphs.add(graph)
         graph._deps = None
+        graph._changed()  # its intermediates may sit elsewhere now
         graph._allocator = self  # the graph's intermediates live in our buffer: keep it alive
         try:  # remember the allocations the graph uses now, so a later free + address reuse is caught
             graph._deps = graph._collect_buffers()

@@ -16,6 +16,10 @@ from .tensor import Tensor
 if TYPE_CHECKING:  # pragma: no cover
     from .gallocr import Gallocr
 
+# ggml_graph_renew_uid (our graph-uid patch, capabilities.GRAPH_UID_FIX): absent from a ggml built
+# without it, where every compute over RPC sends the whole graph again
+_HAS_UID = hasattr(lib, "ggml_graph_renew_uid")
+
 
 class Graph:
     """A computation graph built in a Context (which must have room for it: graph_size=...)."""
@@ -35,6 +39,9 @@ class Graph:
         self._seen: set[int] = set()
         self._deps: frozenset[tuple[int, int | None]] | None = None  # (buffer, token) pairs the allocated graph uses
         self._allocator: "Gallocr | None" = None  # the allocator that placed the intermediates (kept alive)
+        # the graph's uid promises backends that it is unchanged since they last computed it (RPC
+        # then resends only a recompute command): renewed at the next compute after any change
+        self._uid_stale = True
 
     def _count_new(self, root: Tensor) -> int:
         """Tensors (nodes + leafs) that expanding `root` would add, so we can refuse overflow."""
@@ -67,6 +74,7 @@ class Graph:
         lib.ggml_set_output(tensor.ptr)
         lib.ggml_build_forward_expand(self.handle, tensor.ptr)
         self._seen |= new
+        self._changed()
         self._ctxs |= ctxs
         return tensor
 
@@ -92,6 +100,11 @@ class Graph:
                     raise GGMLError(f"{node.op} node {node.name!r} reads {name!r}, which is stored repacked (AMX or CPU_REPACK buffer): "
                                     "only a matrix product (mul_mat) of the whole tensor by contiguous f32 rows on the "
                                     "CPU backend can use it; upload that tensor with repack=False")
+
+    def _changed(self) -> None:
+        """The nodes or where their tensors live changed (expand, allocation, freed buffers): the
+        next compute gives the graph a new uid, so no backend replays what it kept of the old one."""
+        self._uid_stale = True
 
     def _ctxs_open(self) -> bool:
         return not any(c.closed for c in self._ctxs)
@@ -140,6 +153,7 @@ class Graph:
     def _detach(self, addrs: "set[int] | None") -> None:
         """Drop the data of this graph's tensors placed in the freed buffers `addrs` (None: any dead buffer)."""
         self._deps = None
+        self._changed()
         if self._ctxs_open():
             liveness.detach(self._tensor_ptrs(), addrs)
 
@@ -165,6 +179,12 @@ class Graph:
             self._deps = self._collect_buffers()
         if any(token is None or liveness.live_buffers.get(a) != token for a, token in self._deps):
             raise GGMLError("the graph uses a backend buffer that has been closed (or reallocated by its Gallocr)")
+        if self._uid_stale and _HAS_UID:
+            # unchanged since: ggml's RPC client sends GRAPH_RECOMPUTE instead of the whole graph
+            # (host-memory tensors moved by Tensor.place_in do not renew it: only the CPU backend
+            # reads those, and it keeps no graph)
+            lib.ggml_graph_renew_uid(self.handle)
+            self._uid_stale = False
         with backend.lock:  # the handle is read under the lock: Backend.close() takes it too
             status = lib.ggml_backend_graph_compute(backend.handle, self.handle)
         backend.check_connection()  # RPC: a failed send is a failed connection, not just a failed compute
