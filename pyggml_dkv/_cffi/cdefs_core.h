@@ -273,6 +273,7 @@ const char * pyggml_dkv_build_capabilities(void);
 const char * pyggml_dkv_built_ggml_version(void);
 const char * pyggml_dkv_built_variant(void);
 const char * pyggml_dkv_built_ggml_build_id(void);
+ggml_backend_dev_t pyggml_dkv_cpu_dkv_device(void);
 
 /* ---- custom ops compiled into the extension (_cffi/*.c) ---- */
 /* screened_argmax.c: a ggml_custom_op_t for ggml_custom_4d (pyggml_dkv/ggml/ops_screen.py) */

@@ -4,6 +4,7 @@
 #define PYGGML_DKV_CUSTOM_OPS_H
 
 #include "ggml.h"
+#include "ggml-backend.h"
 
 /* screened_argmax.c: a ggml_custom_op_t for ggml_custom_4d (pyggml_dkv/ggml/ops_screen.py) */
 void pyggml_dkv_screened_argmax(struct ggml_tensor * dst, int ith, int nth, void * userdata);
@@ -19,5 +20,10 @@ const char * pyggml_dkv_build_capabilities(void);
 const char * pyggml_dkv_built_ggml_version(void);
 const char * pyggml_dkv_built_variant(void);
 const char * pyggml_dkv_built_ggml_build_id(void);
+
+/* kernels.c: the CPU device with our CPU_DKV buffer type as its own (vendor/kernels/dkv.h), for an
+   RPC server whose products should run our kernels as local weights in CPU_DKV do; NULL where the
+   build has no CPU_DKV buffer type */
+ggml_backend_dev_t pyggml_dkv_cpu_dkv_device(void);
 
 #endif

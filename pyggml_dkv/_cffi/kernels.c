@@ -33,9 +33,35 @@ static const char kernels[] = ""
     ",cpu-dkv-hook"     /* P1: ggml-cpu compiles our kernel files behind their extra buffer type */
 #endif
 #if defined(PYGGML_DKV_HAS_DKV_BUFFER) && defined(PYGGML_DKV_HAS_CPU_DKV_HOOK)
-    ",dkv-buffer"       /* vendor/kernels/buffer.cpp: the CPU_DKV extra buffer type (no kernels yet) */
+    ",dkv-buffer"       /* vendor/kernels/buffer.cpp: the CPU_DKV extra buffer type */
+#endif
+/* the narrow products of f16 / bf16 weights in CPU_DKV buffers (vendor/kernels/mm-narrow.h) */
+#if defined(PYGGML_DKV_HAS_MM_F16_NARROW) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
+    ",mm-f16-narrow"    /* mm-f16-narrow.cpp: f16 x <= 64 f32 columns on AVX-512 FMAs */
+#endif
+#if defined(PYGGML_DKV_HAS_MM_BF16_FMA) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
+    ",mm-bf16-fma"      /* mm-bf16-fma.cpp: bf16 x <= 64 f32 columns on AVX-512 FMAs */
+#endif
+#if defined(PYGGML_DKV_HAS_MM_BF16_DPBF16) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
+    ",mm-bf16-dpbf16"   /* mm-bf16-dpbf16.cpp: bf16 x <= 64 columns rounded to bf16, vdpbf16ps */
+#endif
+#if defined(PYGGML_DKV_HAS_MM_HALF_AVX2) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
+    ",mm-half-avx2"     /* mm-half-avx2.cpp: f16 / bf16 x <= 64 f32 columns on AVX2 FMAs */
 #endif
     ;
+
+#if defined(PYGGML_DKV_HAS_DKV_BUFFER) && defined(PYGGML_DKV_HAS_CPU_DKV_HOOK)
+/* vendor/kernels/dkv.h (inside ggml-cpu; not installed) */
+ggml_backend_dev_t ggml_backend_cpu_dkv_device(void);
+#endif
+
+ggml_backend_dev_t pyggml_dkv_cpu_dkv_device(void) {
+#if defined(PYGGML_DKV_HAS_DKV_BUFFER) && defined(PYGGML_DKV_HAS_CPU_DKV_HOOK)
+    return ggml_backend_cpu_dkv_device();
+#else
+    return NULL;
+#endif
+}
 
 const char * pyggml_dkv_kernels(void) {
     return kernels[0] ? kernels + 1 : kernels;

@@ -13,6 +13,11 @@ extern "C" {
 // "CPU_DKV": the extra buffer type our kernels hang off (never NULL once built)
 ggml_backend_buffer_type_t ggml_backend_cpu_dkv_buffer_type(void);
 
+// the CPU device with CPU_DKV as its buffer type: a backend it makes is ggml's CPU backend, and
+// every buffer allocated for it is ours. For a server that places tensors without knowing what
+// they are (ggml's RPC server), so that its products run our kernels as a local CPU_DKV weight's do
+ggml_backend_dev_t ggml_backend_cpu_dkv_device(void);
+
 #ifdef __cplusplus
 }
 #endif
