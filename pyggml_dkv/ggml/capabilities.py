@@ -154,8 +154,32 @@ DKV_BUFFER_TYPE = "CPU_DKV"
 # ggml's node barrier spins a few pauses, then sleeps on a futex, also in OpenMP builds (P2)
 BARRIER_FUTEX = "barrier-futex"
 # f16 weights times up to 64 f32 columns on AVX-512 FMAs (our narrow product; ggml rounds the
-# columns to f16)
+# columns to f16). Our narrow products (this, the bf16 and the AVX2 ones below) run for weights in
+# the CPU_DKV buffer (weight_buffer: BackendWeights puts f16 / bf16 matrices there on the CPU)
 F16_MATMUL_KERNEL = "mm-f16-narrow"
+# the weight types our narrow products take in the CPU_DKV buffer
+NARROW_WEIGHT_TYPES = ("f16", "bf16")
+
+
+def dkv_buffer_available() -> bool:
+    """True when this ggml carries our CPU_DKV extra buffer type (registered with the CPU backend)."""
+    return DKV_BUFFER_TYPE in cpu_extra_buffer_types()
+
+
+def f16_matmul_kernel(ne: tuple[int, ...] = (1024, 1024), n_columns: int = 16) -> str:
+    """What a product of f16 weights of shape `ne` (ggml order: inputs, outputs), stored in the
+    CPU_DKV buffer, with `n_columns` f32 columns runs on here: "avx512_fma" (whole 16-input blocks,
+    up to 64 columns), "avx2_fma" (CPUs without AVX-512: whole 8-input blocks, up to 64 columns) or
+    "ggml" (ggml's own f16 path: the columns rounded to f16). Both of ours keep the columns f32."""
+    ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
+    if ne4[2:] != (1, 1) or n_columns > 64 or not dkv_buffer_available():
+        return "ggml"
+    if half_matmul_avx2():
+        return "avx2_fma" if ne4[0] % 8 == 0 else "ggml"
+    if (F16_MATMUL_KERNEL in built_capabilities() and ne4[0] % 16 == 0
+            and lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c()):
+        return "avx512_fma"
+    return "ggml"
 
 # ggml's AMX kernels are only safe with our fix (P4: without it, a GCC 12 build dies with SIGILL
 # at the first tile instruction; oneDNN releasing the tiles did the same)
@@ -257,15 +281,15 @@ def half_matmul_avx2() -> bool:
 
 
 def bf16_matmul_kernel(ne: tuple[int, ...] = (1024, 1024), n_columns: int = 16) -> str:
-    """What a product of bf16 weights of shape `ne` (ggml order: inputs, outputs) with `n_columns`
-    f32 columns runs on here: "amx" (AMX-BF16 tiles: whole 32-input blocks and 16-row groups, up to
+    """What a product of bf16 weights of shape `ne` (ggml order: inputs, outputs), stored in the
+    CPU_DKV buffer, with `n_columns` f32 columns runs on here: "amx" (AMX-BF16 tiles: whole 32-input blocks and 16-row groups, up to
     64 columns), "avx512_bf16" (vdpbf16ps: whole 32-input blocks, up to 64 columns), "avx512_fma"
     (f32 FMAs: whole 32-input blocks, up to 64 columns), "avx2_fma" (8-wide f32 FMAs on CPUs without
     AVX-512: whole 16-input blocks, up to 64 columns) or "ggml" (ggml's own bf16 path: llamafile /
     its dot products)."""
     ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
     kernels = built_capabilities()
-    if ne4[2:] != (1, 1) or n_columns > 64:
+    if ne4[2:] != (1, 1) or n_columns > 64 or not dkv_buffer_available():
         return "ggml"
     if half_matmul_avx2():
         return "avx2_fma" if ne4[0] % 16 == 0 else "ggml"

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from .config import DraftConfig
-from ..ggml import (TYPE_NAMES, Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types,
-                    cpu_repack_fits, ggml_type, lib, vnni_available, vnni_repack_fits)
+from ..ggml import (DKV_BUFFER_TYPE, REPACKING_BUFFER_TYPES, TYPE_NAMES, Backend, Buffer, Context, Tensor, amx_available,
+                    amx_fits, cpu_extra_buffer_types, cpu_repack_fits, dkv_buffer_available, ggml_type, lib, vnni_available,
+                    vnni_repack_fits)
+from ..ggml.capabilities import NARROW_WEIGHT_TYPES
 from .tensor_names import is_fold_in_matrix, is_norm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,6 +82,19 @@ def repack_buffer(backend: Backend, dtype: str, out_features: int, in_features: 
     return None
 
 
+def weight_buffer(backend: Backend, dtype: str, out_features: int, in_features: int, bulk: bool = True,
+                  repack: bool = True) -> str | None:
+    """The extra CPU buffer type an (out, in) `dtype` matrix goes to: with `repack`, the repacking one
+    of a matrix that is only ever multiplied (repack_buffer); else, for f16 / bf16 on the CPU backend,
+    "CPU_DKV", whose products by a step's few f32 columns run our narrow kernels (old patches 0004,
+    0019, 0041, 0042; ggml rounds the columns to f16 / bf16). CPU_DKV keeps ggml's layout, so any op
+    may read its tensors (get_rows, Tensor.numpy, the screened argmax). None: an ordinary buffer."""
+    kind = repack_buffer(backend, dtype, out_features, in_features, bulk) if repack else None
+    if kind is None and backend.is_cpu and dtype.lower() in NARROW_WEIGHT_TYPES and dkv_buffer_available():
+        return DKV_BUFFER_TYPE
+    return kind
+
+
 class BackendWeights:
     """Matrices stored as `dtype` (f32, f16, bf16, q8_0, or "native": as the file stored them),
     norm vectors always f32.
@@ -97,6 +112,8 @@ class BackendWeights:
     (old patch 0020-0022), or for ggml's interleaved AVX2 kernels (q4_0 / q4_K shapes ours do not
     take, CPUs without VNNI) as llama.cpp runs them (`capabilities.cpu_repack_kernel` says which).
     Those tensors cannot be read back (`Tensor.numpy()` raises); `host` still has the values.
+    f16 / bf16 matrices on the CPU go to our CPU_DKV buffer (weight_buffer), repack or not: laid out
+    as ggml lays them out, multiplied by our narrow kernels.
     """
 
     def __init__(self, weights: "DraftWeights", backend: Backend, dtype: str = "auto", repack: bool = True) -> None:
@@ -126,28 +143,30 @@ class BackendWeights:
         # buffer. The fold-in's matrices, which a bulk append multiplies by hundreds of rows, get a
         # second copy where the kernel for those differs (q8_0 on AMX CPUs: `bulk`)
         types = {n: self._matrix_type(weights, n, dtype) for n, a in weights.items() if a.ndim == 2 and not is_norm(n)}
-        kinds = {n: repack_buffer(backend, types[n], *weights[n].shape, bulk=False) for n in types} if repack else {}
-        bulk_kinds = {n: repack_buffer(backend, types[n], *weights[n].shape, bulk=True)
-                      for n in types if repack and is_fold_in_matrix(n)}
+        kinds = {n: weight_buffer(backend, types[n], *weights[n].shape, bulk=False, repack=repack) for n in types}
+        bulk_kinds = {n: weight_buffer(backend, types[n], *weights[n].shape, bulk=True, repack=repack)
+                      for n in types if is_fold_in_matrix(n)}
         bulk_kinds = {n: k for n, k in bulk_kinds.items() if k is not None and k != kinds[n]}
         kinds = {n: k for n, k in kinds.items() if k is not None}
         placed = [*kinds.values(), *bulk_kinds.values()]
         self.ctx = Context(n_tensors=len(weights) - len(kinds) + 1)
-        self.repacked_ctxs = {k: Context(n_tensors=placed.count(k) + 1) for k in ("AMX", "CPU_REPACK") if k in placed}
+        # the extra buffer types' tensors: the repacking ones ("AMX", "CPU_REPACK"), then ours
+        self.extra_ctxs = {k: Context(n_tensors=placed.count(k) + 1) for k in (*REPACKING_BUFFER_TYPES, DKV_BUFFER_TYPE)
+                           if k in placed}
         self.tensors: dict[str, Tensor] = {}
         for name, arr in weights.items():
             ty = types.get(name, "f32")
-            ctx = self.repacked_ctxs[kinds[name]] if name in kinds else self.ctx
+            ctx = self.extra_ctxs[kinds[name]] if name in kinds else self.ctx
             # ggml order is the reverse of numpy's: (out, in) -> [in, out]
             self.tensors[name] = ctx.new_tensor(ty, *reversed(arr.shape), name=name[-63:])
         # the bulk appends' copies (where none is needed, a bulk append reads `tensors`)
         self.bulk_tensors: dict[str, Tensor] = {
-            name: self.repacked_ctxs[kind].new_tensor(types[name], *reversed(weights[name].shape), name=name[-63:])
+            name: self.extra_ctxs[kind].new_tensor(types[name], *reversed(weights[name].shape), name=name[-63:])
             for name, kind in bulk_kinds.items()}
         self.buffers: list[Buffer] = []
         if len(kinds) < len(weights):
             self.buffers.append(Buffer.alloc_ctx_tensors(self.ctx, backend))
-        for kind, ctx in self.repacked_ctxs.items():
+        for kind, ctx in self.extra_ctxs.items():
             self.buffers.append(Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], backend))
         for buf in self.buffers:
             buf.set_usage_weights()
@@ -160,7 +179,7 @@ class BackendWeights:
                     t.set_bytes(stored.raw)  # the file's own blocks, byte for byte
                 else:
                     t.set(arr)
-        self.n_repacked = len(kinds)
+        self.n_repacked = sum(k in REPACKING_BUFFER_TYPES for k in kinds.values())
         log.debug("uploaded %d tensors (%.1f MiB, %s, %d repacked for %s) to %s",
                   len(weights), self.nbytes / 2**20, dtype, self.n_repacked, "/".join(self.repack_kinds) or "-", backend.spec)
 
@@ -174,12 +193,12 @@ class BackendWeights:
     @property
     def repack_kinds(self) -> tuple[str, ...]:
         """The repacking buffers the matrices went to ("AMX" first)."""
-        return tuple(self.repacked_ctxs)
+        return tuple(k for k in self.extra_ctxs if k in REPACKING_BUFFER_TYPES)
 
     @property
     def repack_kind(self) -> str | None:
         """The first of them, for reports ("AMX" wherever any matrix runs on AMX tiles)."""
-        return next(iter(self.repacked_ctxs), None)
+        return next(iter(self.repack_kinds), None)
 
     @property
     def nbytes(self) -> int:
@@ -206,7 +225,7 @@ class BackendWeights:
         for buf in self.buffers:
             buf.close()
         self.ctx.close()
-        for ctx in self.repacked_ctxs.values():
+        for ctx in self.extra_ctxs.values():
             ctx.close()
 
     def __enter__(self) -> "BackendWeights":
@@ -272,10 +291,10 @@ def matrix_in_own_buffer(backend: Backend, dtype: str, shape: tuple[int, int], n
                          matmul_only: bool) -> tuple[Tensor, Buffer]:
     """An empty (out, in) `dtype` matrix in a weights buffer of its own: a repacking one (AMX,
     VNNI; see repack_buffer, for a matrix a step's few rows multiply) when it is `matmul_only`
-    and fits, an ordinary one otherwise."""
+    and fits, our CPU_DKV one for f16 / bf16 on the CPU (weight_buffer), an ordinary one otherwise."""
     ctx = Context(n_tensors=1)
     t = ctx.new_tensor(dtype, shape[1], shape[0], name=name[-63:])
-    kind = repack_buffer(backend, dtype, *shape, bulk=False) if matmul_only else None  # a step's head
+    kind = weight_buffer(backend, dtype, *shape, bulk=False, repack=matmul_only)  # a step's head
     if kind is not None:
         buf = Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], backend)
     else:

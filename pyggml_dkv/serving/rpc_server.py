@@ -82,7 +82,13 @@ def _device(spec: str) -> Any:
     from ..ggml._lowlevel import ffi, lib
 
     if spec == "cpu":
-        dev = lib.ggml_backend_dev_by_name(b"CPU")
+        # the CPU device with our CPU_DKV buffer type as its own, where the build has it: the server
+        # allocates every buffer from its device's type, so the f16 / bf16 weights a client uploads
+        # sit where our narrow kernels take their products, as a local BackendWeights places them
+        # (the same bits over RPC as on the local CPU)
+        dev = lib.pyggml_dkv_cpu_dkv_device()
+        if dev == ffi.NULL:
+            dev = lib.ggml_backend_dev_by_name(b"CPU")
     else:
         if "cuda" not in built_backends():
             raise BackendUnavailableError(f"--device {spec}: this ggml build has no CUDA backend (GGML_CUDA=1 ./build_ggml.sh)")
