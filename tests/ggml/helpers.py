@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 
 import numpy as np
 
 from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
 from pyggml_dkv.ggml._lowlevel import lib
 from pyggml_dkv.ggml import (
+    DKV_BUFFER_TYPE,
     Backend,
     Buffer,
     Context,
     Gallocr,
     Graph,
     Tensor,
+    cpu_extra_buffer_types,
+    dkv_buffer_available,
 )
 
 
@@ -26,23 +30,34 @@ def as_bf16(a: np.ndarray) -> np.ndarray:
     return from_bf16_bits(to_bf16_bits(a)).astype(np.float64)
 
 
-def compute(backend: Backend, specs: list[tuple[str, np.ndarray]], build, graph_size: int = 128):
-    """Upload `specs` (type, numpy array) into fresh tensors, run build(g, *tensors) -> output(s), return numpy."""
-    with Context(n_tensors=len(specs)) as ctx, Context(n_tensors=graph_size, graph_size=graph_size) as g:
-        tensors = [ctx.new_tensor(ty, *reversed(arr.shape)) for ty, arr in specs]
-        with Buffer.alloc_ctx_tensors(ctx, backend):
-            for t, (_, arr) in zip(tensors, specs):
-                t.set(arr)
-            graph = Graph(g, graph_size)
-            outs = build(g, *tensors)
-            single = isinstance(outs, Tensor)
-            outs = [outs] if single else list(outs)
-            for o in outs:
-                graph.expand(o)
-            with Gallocr(backend) as galloc:
-                galloc.alloc_graph(graph)
-                graph.compute(backend)
-                results = [o.numpy() for o in outs]
+def compute(backend: Backend, specs: list[tuple[str, np.ndarray]], build, graph_size: int = 128,
+            weights_in_dkv: bool = False):
+    """Upload `specs` (type, numpy array) into fresh tensors, run build(g, *tensors) -> output(s), return numpy.
+
+    `weights_in_dkv`: the first tensor (the weights of a product) goes to our CPU_DKV buffer, where
+    BackendWeights places f16 / bf16 matrices on the CPU (our narrow kernels), when ggml has it."""
+    dkv = weights_in_dkv and backend.is_cpu and dkv_buffer_available()
+    with ExitStack() as stack:
+        ctx = stack.enter_context(Context(n_tensors=len(specs)))
+        wctx = stack.enter_context(Context(n_tensors=1)) if dkv else ctx
+        g = stack.enter_context(Context(n_tensors=graph_size, graph_size=graph_size))
+        tensors = [(wctx if i == 0 else ctx).new_tensor(ty, *reversed(arr.shape)) for i, (ty, arr) in enumerate(specs)]
+        if dkv:
+            stack.enter_context(Buffer.alloc_ctx_tensors_from_buft(wctx, cpu_extra_buffer_types()[DKV_BUFFER_TYPE], backend))
+        if len(specs) > int(dkv):
+            stack.enter_context(Buffer.alloc_ctx_tensors(ctx, backend))
+        for t, (_, arr) in zip(tensors, specs):
+            t.set(arr)
+        graph = Graph(g, graph_size)
+        outs = build(g, *tensors)
+        single = isinstance(outs, Tensor)
+        outs = [outs] if single else list(outs)
+        for o in outs:
+            graph.expand(o)
+        with Gallocr(backend) as galloc:
+            galloc.alloc_graph(graph)
+            graph.compute(backend)
+            results = [o.numpy() for o in outs]
     return results[0] if single else results
 
 

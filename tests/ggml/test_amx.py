@@ -16,7 +16,7 @@ from tests.child import run_in_child
 from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter
 from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
-from pyggml_dkv.ggml import (Context, Gallocr, GGMLError, Graph, amx_available, bf16_matmul_kernel, bf16_products_on_fma, cpu_extra_buffer_types,
+from pyggml_dkv.ggml import (Context, Gallocr, dkv_buffer_available, GGMLError, Graph, amx_available, bf16_matmul_kernel, bf16_products_on_fma, cpu_extra_buffer_types,
                              cpu_features, vnni_available)
 from pyggml_dkv.model.backend_weights import upload_matrix
 from tests.ggml.helpers import mul_mat_rows
@@ -37,7 +37,9 @@ def test_only_q8_0_matrices_on_cpu_are_repacked(cpu):
     w = _weights()
     for dtype in ("f32", "f16", "bf16"):
         with w.to_backend(cpu, dtype) as bw:
-            assert bw.n_repacked == 0 and len(bw.buffers) == 1
+            # f16 / bf16 matrices go to our CPU_DKV buffer (ggml's layout, not repacked)
+            in_dkv = dtype != "f32" and dkv_buffer_available()
+            assert bw.n_repacked == 0 and bw.repack_kinds == () and len(bw.buffers) == 1 + in_dkv
     with w.to_backend(cpu, "q8_0", repack=False) as bw:
         assert bw.n_repacked == 0
         assert not any(t.is_repacked for t in bw.tensors.values())

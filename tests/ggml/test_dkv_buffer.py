@@ -1,6 +1,8 @@
 """Our extra CPU buffer type (CPU_DKV): the hook patch (port plan P1) compiles our kernel files into
-ggml-cpu and lists their buffer type among the CPU backend's extra buffer types. The skeleton
-holds host memory and claims no op yet."""
+ggml-cpu and lists their buffer type among the CPU backend's extra buffer types. It holds host
+memory laid out as ggml's CPU buffer: every op may read it (ggml's own answer and kernels), and the
+products our narrow kernels take (f16 / bf16 weights x few f32 columns: tests/ggml/test_ops.py,
+test_bf16_products.py) run on them."""
 
 from __future__ import annotations
 
@@ -44,10 +46,26 @@ def test_buffer_type_belongs_to_the_cpu_device_and_holds_tensors():
 
 
 @needs_dkv_buffer
-def test_skeleton_claims_no_op_and_leaves_ggmls_results_alone(rng):
-    """No kernel file yet: an op on ordinary buffers computes exactly as before the hook."""
-    w = rng.standard_normal((8, 64)).astype(np.float32)
-    x = rng.standard_normal((3, 64)).astype(np.float32)
+def test_ops_no_kernel_of_ours_takes_compute_as_ggml(rng):
+    """An op on weights in our buffer that no kernel of ours takes (a get_rows, a product too wide
+    for the narrow kernels, f32 weights) is supported as ggml supports it and computes exactly as on
+    ggml's own buffer; the buffer is host memory."""
+    w16 = rng.standard_normal((8, 64)).astype(np.float16)
+    w32 = rng.standard_normal((8, 64)).astype(np.float32)
+    x = rng.standard_normal((70, 64)).astype(np.float32)
+    rows = np.array([3, 0, 7], np.int32)
     with Backend("cpu") as cpu:
-        got = compute(cpu, [("f32", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b))
-    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5)
+        cases = [(lambda g, a, b: g.mul_mat(a, b), ("f32", x)),  # 70 columns: wider than the narrow kernels
+                 (lambda g, a, b: g.get_rows(a, b), ("i32", rows))]
+        for wtype, w in (("f16", w16), ("f32", w32)):
+            for build, second in cases:
+                ours = compute(cpu, [(wtype, w), second], build, weights_in_dkv=True)
+                np.testing.assert_array_equal(ours, compute(cpu, [(wtype, w), second], build))
+        buft = cpu_extra_buffer_types()[DKV_BUFFER_TYPE]
+        with Context(n_tensors=2) as ctx, Context(n_tensors=4, graph_size=4) as g:
+            t = ctx.new_tensor("f16", 64, 8)
+            r = ctx.new_tensor("i32", 3)
+            with Buffer.alloc_ctx_tensors_from_buft(ctx, buft, cpu) as buf:
+                assert buf.is_host and t.in_host_memory
+                t.set(w16)
+                assert cpu.supports(g.get_rows(t, r)) and cpu.supports(g.mul_mat(t, g.new_tensor("f32", 64, 3)))

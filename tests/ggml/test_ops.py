@@ -15,7 +15,7 @@ from pyggml_dkv.ggml import (
     Backend,
     Context,
     bf16_matmul_kernel,
-    half_matmul_avx2,
+    f16_matmul_kernel,
 )
 from pyggml_dkv.common.bf16 import from_bf16_bits as bf16_bits_to_fp32, to_bf16_bits as fp32_to_bf16_bits
 from pyggml_dkv.common.numeric import relative_error
@@ -40,10 +40,10 @@ def test_mul_mat_against_numpy(be, rng, wtype, tol):
         assert relative_error(got, x.astype(np.float64) @ w16.T) < 1e-3
 
 
-# the narrow kernels (f16: old patch 0004; bf16: 0019, 0029, 0041): whether this CPU runs them
-# for a product (rows m, inputs k, columns n)
-NARROW_KERNELS = {"f16": lambda m, k, n: n <= 64 and ((k % 16 == 0 and lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c())
-                                                    or (k % 8 == 0 and half_matmul_avx2())),
+# the narrow kernels (f16: old patch 0004; bf16: 0019, 0029, 0041; both on AVX2: 0042): whether
+# this build and CPU run them for a product (rows m, inputs k, columns n) of weights in the
+# CPU_DKV buffer
+NARROW_KERNELS = {"f16": lambda m, k, n: f16_matmul_kernel((k, m), n_columns=n) != "ggml",
                   "bf16": lambda m, k, n: bf16_matmul_kernel((k, m), n_columns=n) != "ggml"}
 
 
@@ -59,7 +59,8 @@ NARROW_KERNELS = {"f16": lambda m, k, n: n <= 64 and ((k % 16 == 0 and lib.ggml_
                                      (205, 1024, 16), (100, 1024, 64), (261, 512, 9), (37, 2048, 16)])
 def test_mul_mat_half_weights_few_columns(rng, wtype, m, k, n):
     """f16 / bf16 weights x up to 64 f32 columns on the narrow AVX-512 kernels (on CPUs with AVX2 and
-    no AVX-512: 0042's, the f16 and FMA ones' arithmetic, checked alike). The f16 one keeps the
+    no AVX-512: 0042's, the f16 and FMA ones' arithmetic, checked alike), which run for weights in
+    our CPU_DKV buffer (where BackendWeights puts f16 / bf16 matrices on the CPU). The f16 one keeps the
     columns f32, so against the stored f16 weights only f32 rounding remains, and so does the bf16 one
     on FMAs (0041, the rule of tests/ggml/test_bf16_products.py); vdpbf16ps (0019) rounds them to
     bf16 as ggml does (nearest even) and sums exact bf16 products, so against both operands rounded
@@ -80,7 +81,7 @@ def test_mul_mat_half_weights_few_columns(rng, wtype, m, k, n):
     results = []
     for n_threads in (1, 2, 3):
         with Backend("cpu", n_threads=n_threads) as backend:
-            results.append(compute(backend, [(wtype, w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b)))
+            results.append(compute(backend, [(wtype, w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b), weights_in_dkv=True))
     for got in results:
         assert got.shape == (n, m)
         assert relative_error(got, want) < tol, relative_error(got, want)
