@@ -10,7 +10,11 @@
 // yb [16][96], yf_tail [9][37], yb_tail [9][37] (the first 37 rows of wf / wb times the first 9
 // columns of x: a last block of one row and a last tile of three columns), attn [70][4][64].
 // The graph runs on 1, 2 and 3 threads; every output must be the same bits each time (exit 3).
+// The f16 / bf16 weights wf and wb live in our CPU_DKV buffer where the build has it (as
+// BackendWeights places them), so that their products reach our narrow kernels (vendor/kernels).
 #include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
 #include "ggml-cpu.h"
 
 #include <stdio.h>
@@ -38,6 +42,21 @@ static void fill(struct ggml_tensor * t, const float * src) {
     }
 }
 
+// our CPU_DKV buffer type among the CPU backend's extra ones, else ggml's CPU buffer type
+static ggml_backend_buffer_type_t weights_buffer_type(void) {
+    ggml_backend_reg_t reg = ggml_backend_cpu_reg();
+    ggml_backend_dev_get_extra_bufts_t get_extra =
+        (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
+    if (get_extra != NULL) {
+        for (ggml_backend_buffer_type_t * b = get_extra(ggml_backend_reg_dev_get(reg, 0)); b != NULL && *b != NULL; b++) {
+            if (strcmp(ggml_backend_buft_name(*b), "CPU_DKV") == 0) {
+                return *b;
+            }
+        }
+    }
+    return ggml_backend_cpu_buffer_type();
+}
+
 int main(int argc, char ** argv) {
     if (argc != 3) {
         fprintf(stderr, "usage: %s IN OUT\n", argv[0]);
@@ -57,9 +76,16 @@ int main(int argc, char ** argv) {
     struct ggml_context * ctx = ggml_init(ip);
     struct ggml_tensor * x  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, D, T);
     struct ggml_tensor * wn = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, D);
-    struct ggml_tensor * wf = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, D, MF);
+    struct ggml_init_params wp = { 4 * ggml_tensor_overhead(), NULL, true };
+    struct ggml_context * wctx = ggml_init(wp);
+    struct ggml_tensor * wf = ggml_new_tensor_2d(wctx, GGML_TYPE_F16, D, MF);
     struct ggml_tensor * wq = ggml_new_tensor_2d(ctx, GGML_TYPE_Q8_0, D, MQ);
-    struct ggml_tensor * wb = ggml_new_tensor_2d(ctx, GGML_TYPE_BF16, D, MF);
+    struct ggml_tensor * wb = ggml_new_tensor_2d(wctx, GGML_TYPE_BF16, D, MF);
+    ggml_backend_buffer_t wbuf = ggml_backend_alloc_ctx_tensors_from_buft(wctx, weights_buffer_type());
+    if (wbuf == NULL || !ggml_backend_buffer_is_host(wbuf)) {
+        fprintf(stderr, "cannot place the f16 / bf16 weights in host memory\n");
+        return 2;
+    }
     struct ggml_tensor * q  = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, HD, NQ, NH);
     struct ggml_tensor * k  = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, HD, NKV, NKV_H);
     struct ggml_tensor * v  = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, HD, NKV, NKV_H);
@@ -84,8 +110,12 @@ int main(int argc, char ** argv) {
     struct ggml_tensor * yq = ggml_mul_mat(ctx, wq, x);
     struct ggml_tensor * yb = ggml_mul_mat(ctx, wb, x);
     struct ggml_tensor * x9 = ggml_view_2d(ctx, x, D, 9, x->nb[1], 0);
-    struct ggml_tensor * yf_tail = ggml_mul_mat(ctx, ggml_view_2d(ctx, wf, D, 37, wf->nb[1], 0), x9);
-    struct ggml_tensor * yb_tail = ggml_mul_mat(ctx, ggml_view_2d(ctx, wb, D, 37, wb->nb[1], 0), x9);
+    struct ggml_tensor * wf37 = ggml_view_2d(ctx, wf, D, 37, wf->nb[1], 0);
+    struct ggml_tensor * wb37 = ggml_view_2d(ctx, wb, D, 37, wb->nb[1], 0);
+    ggml_backend_view_init(wf37);  // the views live in the weights' buffer too
+    ggml_backend_view_init(wb37);
+    struct ggml_tensor * yf_tail = ggml_mul_mat(ctx, wf37, x9);
+    struct ggml_tensor * yb_tail = ggml_mul_mat(ctx, wb37, x9);
     struct ggml_tensor * at = ggml_flash_attn_ext(ctx, q, k, v, m, 0.125f, 0.0f, 0.0f);
     ggml_flash_attn_ext_set_prec(at, GGML_PREC_F32);
     struct ggml_tensor * outs[] = { fused, unfused, yf, yq, yb, yf_tail, yb_tail, at };
@@ -130,6 +160,8 @@ int main(int argc, char ** argv) {
         free(first[i]);
     }
     ggml_free(ctx);
+    ggml_backend_buffer_free(wbuf);
+    ggml_free(wctx);
     free(in);
     return 0;
 }
