@@ -48,6 +48,10 @@ static const char kernels[] = ""
 #if defined(PYGGML_DKV_HAS_MM_HALF_AVX2) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
     ",mm-half-avx2"     /* mm-half-avx2.cpp: f16 / bf16 x <= 64 f32 columns on AVX2 FMAs */
 #endif
+/* flash attention over K/V caches in CPU_DKV buffers (vendor/kernels/flash-attn.h) */
+#if defined(PYGGML_DKV_HAS_FA_TILED) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
+    ",fa-tiled"         /* flash-attn-tiled.cpp: f32 64 x 64 tiles from 8 query rows (AVX-512) */
+#endif
     ;
 
 #if defined(PYGGML_DKV_HAS_DKV_BUFFER) && defined(PYGGML_DKV_HAS_CPU_DKV_HOOK)

@@ -143,7 +143,8 @@ class CacheMemory:
         for t in self.inputs():
             t.set_input()
         self.lane_inputs = [self._lane_views(lane, geo) for lane in range(lanes)] if lanes > 1 else [self._whole_lane()]
-        self.buf = Buffer.alloc_ctx_tensors(m, backend)
+        # on the CPU in our CPU_DKV buffer: attention over these K/V runs our tiled kernel
+        self.buf = Buffer.alloc_ctx_tensors_for_kernels(m, backend)
         self.buf.clear(0)
         self.noise_rows.set(np.concatenate([np.arange(geo.cap, geo.cap + geo.q_len, dtype=np.int32) + lane * geo.kv_total
                                             for lane in range(lanes)]))

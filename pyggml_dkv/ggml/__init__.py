@@ -34,6 +34,7 @@ from .capabilities import (
     BF16_ATTENTION_KERNEL,
     DKV_BUFFER_TYPE,
     FA_MASKED_KEYS_FIX,
+    FA_TILED_KERNEL,
     GRAPH_UID_FIX,
     RPC_ERRORS_FIX,
     VNNI_KERNEL,
@@ -59,6 +60,7 @@ from .capabilities import (
     default_n_threads,
     dkv_buffer_available,
     f16_matmul_kernel,
+    flash_attn_kernel,
     ggml_repack_fits,
     list_devices,
     version,
@@ -75,10 +77,10 @@ from .tensor import Tensor, host_array
 from .types import MAX_DIMS, TYPE_NAMES, TYPES, dequantize, ggml_type, quantize
 
 __all__ = [
-    "AMX_KERNEL", "AMX_TYPES", "BF16_ATTENTION_KERNEL", "FA_MASKED_KEYS_FIX", "GRAPH_UID_FIX", "RPC_ERRORS_FIX", "GGML_PREC_BF16", "GGML_REPACK_TYPES", "MAX_DIMS", "REPACKING_BUFFER_TYPES",
+    "AMX_KERNEL", "AMX_TYPES", "BF16_ATTENTION_KERNEL", "FA_MASKED_KEYS_FIX", "FA_TILED_KERNEL", "GRAPH_UID_FIX", "RPC_ERRORS_FIX", "GGML_PREC_BF16", "GGML_REPACK_TYPES", "MAX_DIMS", "REPACKING_BUFFER_TYPES",
     "TYPES", "TYPE_NAMES", "Backend", "BackendInfo", "BackendUnavailableError", "RemoteBackendError", "Buffer", "Context",
     "GGMLError", "Gallocr", "Graph", "Tensor", "amx_available", "amx_fits", "available_backends",
-    "bf16_attention_kernel", "bf16_attention_supported", "bf16_matmul_kernel", "bf16_products_on_fma", "dkv_buffer_available", "f16_matmul_kernel", "half_matmul_avx2", "built_backends", "cpu_features", "cpu_repack_fits", "cpu_repack_kernel", "ggml_repack_fits", "vnni_available", "vnni_fits", "vnni_repack_fits",
+    "bf16_attention_kernel", "bf16_attention_supported", "bf16_matmul_kernel", "bf16_products_on_fma", "dkv_buffer_available", "f16_matmul_kernel", "flash_attn_kernel", "half_matmul_avx2", "built_backends", "cpu_features", "cpu_repack_fits", "cpu_repack_kernel", "ggml_repack_fits", "vnni_available", "vnni_fits", "vnni_repack_fits",
     "BF16_ATTENTION_AVX512_KERNEL", "DKV_BUFFER_TYPE", "VNNI_KERNEL", "built_capabilities", "cpu_extra_buffer_types",
     "cuda_graph_stats", "default_n_threads", "dequantize", "ffi", "ggml_type", "host_array", "lib", "list_devices",
     "live_objects", "quantize", "version",

@@ -9,7 +9,8 @@ from typing import Any
 from . import liveness
 from ._lowlevel import ffi, lib
 from .backend import Backend
-from .capabilities import AMX_TYPES, REPACKING_BUFFER_TYPES, amx_fits, cpu_repack_fits, cpu_repack_takes
+from .capabilities import (AMX_TYPES, DKV_BUFFER_TYPE, REPACKING_BUFFER_TYPES, amx_fits, cpu_extra_buffer_types,
+                           cpu_repack_fits, cpu_repack_takes, dkv_buffer_available)
 from .context import Context
 from .errors import GGMLError, RemoteBackendError
 from .owned import Owned
@@ -47,6 +48,15 @@ class Buffer(Owned):
             raise GGMLError("the context has no unallocated tensors to place in a buffer")
         handle = lib.ggml_backend_alloc_ctx_tensors(ctx.handle, backend.handle)
         return cls(handle, backend, ctx)
+
+    @classmethod
+    def alloc_ctx_tensors_for_kernels(cls, ctx: Context, backend: Backend) -> "Buffer":
+        """Like alloc_ctx_tensors, in our CPU_DKV buffer on a CPU backend whose ggml has it: host
+        memory in ggml's layout where our kernels take the ops that read it (products of its f16 /
+        bf16 matrices by a few columns, flash attention over K/V there). Elsewhere the backend's own."""
+        if backend.is_cpu and dkv_buffer_available():
+            return cls.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[DKV_BUFFER_TYPE], backend)
+        return cls.alloc_ctx_tensors(ctx, backend)
 
     @classmethod
     def alloc_ctx_tensors_from_buft(cls, ctx: Context, buffer_type: Any, backend: Backend) -> "Buffer":

@@ -185,6 +185,22 @@ def f16_matmul_kernel(ne: tuple[int, ...] = (1024, 1024), n_columns: int = 16) -
 # at the first tile instruction; oneDNN releasing the tiles did the same)
 AMX_KERNEL = "amx-tile-config"
 
+# CPU flash attention in f32 64 x 64 tiles from 8 query rows, transposed scores (our attention
+# kernel, AVX-512), for K/V in the CPU_DKV buffer (kv_buffer_type: the drafter's caches go there on
+# the CPU). ggml tiles only from 64 query rows; below, its per-row kernel sums V in f16.
+FA_TILED_KERNEL = "fa-tiled"
+
+
+def flash_attn_kernel(n_q: int, kv_type: str = "f16", dv: int = 64) -> str:
+    """What a flash attention of `n_q` query rows per head over f16 / f32 K/V stored in the CPU_DKV
+    buffer runs on here: "tiled" (ours: f32 tiles, 2e-6 of float64) or "ggml" (ggml's own: its tiled
+    kernel from 64 rows, its per-row one below)."""
+    if (FA_TILED_KERNEL in built_capabilities() and dkv_buffer_available() and n_q >= 8 and dv % 16 == 0
+            and kv_type in ("f16", "f32") and lib.ggml_cpu_has_avx512()):
+        return "tiled"
+    return "ggml"
+
+
 # CPU flash attention with bf16 products on AMX tiles (our attention kernel): ggml's precision
 # GGML_PREC_BF16 (ggml 0.25.3 has the value, 15; our patch to ggml 0.10.1 added it as 16). ggml's
 # own CPU flash attention aborts on it, so it is asked for only where bf16_attention_supported().

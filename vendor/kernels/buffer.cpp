@@ -6,13 +6,15 @@
 // it: supports_op gives ggml's own answer, ops no kernel of ours takes run ggml's kernels on it, and
 // the buffers are host memory (is_host: what reads plain rows, like pyggml_dkv's screened argmax
 // over an lm_head, reads them in place).
-// Kernels so far: MUL_MAT of f16 / bf16 weights by a few f32 columns (mm-narrow.h).
+// Kernels so far: MUL_MAT of f16 / bf16 weights by a few f32 columns (mm-narrow.h), and
+// FLASH_ATTN_EXT over K/V caches here (flash-attn.h).
 //
 // Each kernel file names what it brings on one line, for build_ggml.sh and the extension's
 // capability query (pyggml_dkv_kernels):
 // Pyggml-Dkv-Capability: dkv-buffer
 
 #include "dkv.h"
+#include "flash-attn.h"
 #include "mm-narrow.h"
 
 #include "ggml-backend-impl.h"
@@ -53,11 +55,12 @@ bool bf16_products_on_fma() {
     return on_fma;
 }
 
-const narrow_kernel * narrow_kernel_for(const struct ggml_tensor * op) {
-    if (op->op != GGML_OP_MUL_MAT) {
-        return nullptr;
-    }
-    const narrow_kernel * order[4] = {};
+static bool in_our_buffer(const struct ggml_tensor * t) {
+    return t != nullptr && t->buffer != nullptr && t->buffer->buft == ggml_backend_cpu_dkv_buffer_type();
+}
+
+static const op_kernel * narrow_kernel_for(const struct ggml_tensor * op) {
+    const op_kernel * order[3] = {};
     if (op->src[0]->type == GGML_TYPE_F16) {
         order[0] = mm_f16_narrow_kernel();
     } else if (op->src[0]->type == GGML_TYPE_BF16) {
@@ -68,7 +71,7 @@ const narrow_kernel * narrow_kernel_for(const struct ggml_tensor * op) {
         return nullptr;
     }
     order[2] = mm_half_avx2_kernel();
-    for (const narrow_kernel * k : order) {
+    for (const op_kernel * k : order) {
         if (k != nullptr && k->takes(op)) {
             return k;
         }
@@ -76,10 +79,22 @@ const narrow_kernel * narrow_kernel_for(const struct ggml_tensor * op) {
     return nullptr;
 }
 
-// MUL_MAT of weights in our buffer that a narrow kernel takes
-class narrow_traits : public ggml::cpu::tensor_traits {
+const op_kernel * kernel_for(const struct ggml_tensor * op) {
+    // asked for every op of every graph: the cheap tests first
+    if (op->op == GGML_OP_MUL_MAT && in_our_buffer(op->src[0])) {
+        return narrow_kernel_for(op);
+    }
+    if (op->op == GGML_OP_FLASH_ATTN_EXT && in_our_buffer(op->src[1])) {
+        const op_kernel * k = fa_tiled_kernel();
+        return k != nullptr && k->takes(op) ? k : nullptr;
+    }
+    return nullptr;
+}
+
+// the ops a kernel of ours takes
+class kernel_traits : public ggml::cpu::tensor_traits {
     bool work_size(int n_threads, const struct ggml_tensor * op, size_t & size) override {
-        const narrow_kernel * k = narrow_kernel_for(op);
+        const op_kernel * k = kernel_for(op);
         if (k == nullptr) {
             return false;
         }
@@ -88,7 +103,7 @@ class narrow_traits : public ggml::cpu::tensor_traits {
     }
 
     bool compute_forward(struct ggml_compute_params * params, struct ggml_tensor * op) override {
-        const narrow_kernel * k = narrow_kernel_for(op);
+        const op_kernel * k = kernel_for(op);
         if (k == nullptr) {
             return false;
         }
@@ -96,10 +111,6 @@ class narrow_traits : public ggml::cpu::tensor_traits {
         return true;
     }
 };
-
-static bool in_our_buffer(const struct ggml_tensor * t) {
-    return t != nullptr && t->buffer != nullptr && t->buffer->buft == ggml_backend_cpu_dkv_buffer_type();
-}
 
 class extra_buffer_type : ggml::cpu::extra_buffer_type {
     // ggml's own answer for the op, as if our tensors were in its CPU buffer (they are laid out as
@@ -118,11 +129,10 @@ class extra_buffer_type : ggml::cpu::extra_buffer_type {
     }
 
     ggml::cpu::tensor_traits * get_tensor_traits(const struct ggml_tensor * op) override {
-        // asked for every op of every graph: the cheap tests first
-        if (op->op != GGML_OP_MUL_MAT || !in_our_buffer(op->src[0]) || narrow_kernel_for(op) == nullptr) {
+        if (kernel_for(op) == nullptr) {
             return nullptr;
         }
-        static narrow_traits traits;
+        static kernel_traits traits;
         return &traits;
     }
 };

@@ -119,15 +119,15 @@ static void bf16_dp_compute(const struct ggml_compute_params * params, struct gg
     }
 }
 
-static const narrow_kernel bf16_dp_kernel = {"bf16 narrow (vdpbf16ps)", bf16_dp_takes, bf16_dp_work_size, bf16_dp_compute};
+static const op_kernel bf16_dp_kernel = {"bf16 narrow (vdpbf16ps)", bf16_dp_takes, bf16_dp_work_size, bf16_dp_compute};
 
-const narrow_kernel * mm_bf16_dpbf16_kernel() {
+const op_kernel * mm_bf16_dpbf16_kernel() {
     return &bf16_dp_kernel;
 }
 
 #else
 
-const narrow_kernel * mm_bf16_dpbf16_kernel() {
+const op_kernel * mm_bf16_dpbf16_kernel() {
     return nullptr;
 }
 

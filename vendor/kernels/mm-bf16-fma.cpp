@@ -121,15 +121,15 @@ static void bf16_fma_compute(const struct ggml_compute_params * params, struct g
                     xd, K, (float *) op->data, op->nb[1] / sizeof(float), src0->ne[1], N, K);
 }
 
-static const narrow_kernel bf16_fma_kernel = {"bf16 narrow (AVX-512 FMA)", bf16_fma_takes, bf16_fma_work_size, bf16_fma_compute};
+static const op_kernel bf16_fma_kernel = {"bf16 narrow (AVX-512 FMA)", bf16_fma_takes, bf16_fma_work_size, bf16_fma_compute};
 
-const narrow_kernel * mm_bf16_fma_kernel() {
+const op_kernel * mm_bf16_fma_kernel() {
     return &bf16_fma_kernel;
 }
 
 #else
 
-const narrow_kernel * mm_bf16_fma_kernel() {
+const op_kernel * mm_bf16_fma_kernel() {
     return nullptr;
 }
 

@@ -84,15 +84,15 @@ static void f16_compute(const struct ggml_compute_params * params, struct ggml_t
                     (float *) op->data, op->nb[1] / sizeof(float), src0->ne[1], src1->ne[1], src0->ne[0]);
 }
 
-static const narrow_kernel f16_kernel = {"f16 narrow (AVX-512 FMA)", f16_takes, f16_work_size, f16_compute};
+static const op_kernel f16_kernel = {"f16 narrow (AVX-512 FMA)", f16_takes, f16_work_size, f16_compute};
 
-const narrow_kernel * mm_f16_narrow_kernel() {
+const op_kernel * mm_f16_narrow_kernel() {
     return &f16_kernel;
 }
 
 #else
 
-const narrow_kernel * mm_f16_narrow_kernel() {
+const op_kernel * mm_f16_narrow_kernel() {
     return nullptr;
 }
 

@@ -140,15 +140,15 @@ static void avx2_compute(const struct ggml_compute_params * params, struct ggml_
     }
 }
 
-static const narrow_kernel avx2_kernel = {"f16 / bf16 narrow (AVX2 FMA)", avx2_takes, avx2_work_size, avx2_compute};
+static const op_kernel avx2_kernel = {"f16 / bf16 narrow (AVX2 FMA)", avx2_takes, avx2_work_size, avx2_compute};
 
-const narrow_kernel * mm_half_avx2_kernel() {
+const op_kernel * mm_half_avx2_kernel() {
     return &avx2_kernel;
 }
 
 #else
 
-const narrow_kernel * mm_half_avx2_kernel() {
+const op_kernel * mm_half_avx2_kernel() {
     return nullptr;
 }
 

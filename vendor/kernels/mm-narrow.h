@@ -1,5 +1,5 @@
 // The narrow products: f16 / bf16 weights times a draft block's few f32 columns (1..64), on the
-// weights in our CPU_DKV buffer (buffer.cpp claims MUL_MAT for them and asks narrow_kernel_for).
+// weights in our CPU_DKV buffer (buffer.cpp claims MUL_MAT for them and asks kernel_for).
 // ggml rounds the columns to f16 / bf16 (its vec_dot_type) and runs llamafile's GEMM or its dot
 // products, converting both operands on every use; these kernels keep the columns f32 where the
 // arithmetic allows, convert each block of weight rows once per column tile, and give every output
@@ -22,8 +22,7 @@
 #    pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-#include "ggml.h"
-#include "ggml-cpu-impl.h"
+#include "kernel.h"
 
 #include <algorithm>
 #include <cstddef>
@@ -39,26 +38,14 @@ namespace ggml::cpu::dkv {
 // the most columns any narrow kernel takes (a draft block of 16 rows, a fold-in of 34, up to 64)
 constexpr int64_t NARROW_MAX_N = 64;
 
-struct narrow_kernel {
-    const char * name;
-    // does it take this MUL_MAT (types, shapes, strides)? decided from the op alone, so that
-    // ggml_graph_plan (work_size) and every thread's compute_forward agree
-    bool (*takes)(const struct ggml_tensor * op);
-    // bytes of ggml's work buffer it needs for the op on n_threads
-    size_t (*work_size)(int n_threads, const struct ggml_tensor * op);
-    // one thread's part (params->ith of params->nth); every thread calls it
-    void (*compute)(const struct ggml_compute_params * params, struct ggml_tensor * op);
-};
-
 // each kernel file: its kernel, or nullptr where the build lacks the kernel's instructions
-const narrow_kernel * mm_f16_narrow_kernel();
-const narrow_kernel * mm_bf16_fma_kernel();
-const narrow_kernel * mm_bf16_dpbf16_kernel();
-const narrow_kernel * mm_half_avx2_kernel();
+const op_kernel * mm_f16_narrow_kernel();
+const op_kernel * mm_bf16_fma_kernel();
+const op_kernel * mm_bf16_dpbf16_kernel();
+const op_kernel * mm_half_avx2_kernel();
 
-// which kernel a MUL_MAT of weights in our buffer runs on (nullptr: ggml's own path); buffer.cpp
+// bf16 on FMAs rather than with vdpbf16ps (buffer.cpp: the rule by CPU vendor)
 bool bf16_products_on_fma();
-const narrow_kernel * narrow_kernel_for(const struct ggml_tensor * op);
 
 // the shape rule every narrow kernel shares: 2-D f16 / bf16 weights (rows contiguous, whole
 // k_multiple-value rows), f32 columns (at most NARROW_MAX_N, rows contiguous), an f32 dst
