@@ -33,7 +33,7 @@ def bf16_products(out_path: str) -> None:
         for n_threads in (1, 2, 3):
             with Backend("cpu", n_threads=n_threads) as cpu:
                 results[f"{name}/{n_threads}"] = compute(cpu, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b),
-                                                          weights_in_dkv=True)  # where BackendWeights puts them
+                                                          dkv=(0,))  # where BackendWeights puts them
     np.savez(out_path, **results)
     with open(out_path + ".json", "w") as f:
         json.dump(kernels, f)

@@ -31,20 +31,21 @@ def as_bf16(a: np.ndarray) -> np.ndarray:
 
 
 def compute(backend: Backend, specs: list[tuple[str, np.ndarray]], build, graph_size: int = 128,
-            weights_in_dkv: bool = False):
+            dkv: tuple[int, ...] = ()):
     """Upload `specs` (type, numpy array) into fresh tensors, run build(g, *tensors) -> output(s), return numpy.
 
-    `weights_in_dkv`: the first tensor (the weights of a product) goes to our CPU_DKV buffer, where
-    BackendWeights places f16 / bf16 matrices on the CPU (our narrow kernels), when ggml has it."""
-    dkv = weights_in_dkv and backend.is_cpu and dkv_buffer_available()
+    `dkv`: the indices of `specs` that go to our CPU_DKV buffer, where ggml has it, as the package
+    places them on the CPU (our kernels read them there): a product's weights (BackendWeights), the
+    K / V of flash attention (the drafter's caches)."""
+    dkv = tuple(dkv) if backend.is_cpu and dkv_buffer_available() else ()
     with ExitStack() as stack:
         ctx = stack.enter_context(Context(n_tensors=len(specs)))
-        wctx = stack.enter_context(Context(n_tensors=1)) if dkv else ctx
+        dctx = stack.enter_context(Context(n_tensors=len(specs))) if dkv else ctx
         g = stack.enter_context(Context(n_tensors=graph_size, graph_size=graph_size))
-        tensors = [(wctx if i == 0 else ctx).new_tensor(ty, *reversed(arr.shape)) for i, (ty, arr) in enumerate(specs)]
+        tensors = [(dctx if i in dkv else ctx).new_tensor(ty, *reversed(arr.shape)) for i, (ty, arr) in enumerate(specs)]
         if dkv:
-            stack.enter_context(Buffer.alloc_ctx_tensors_from_buft(wctx, cpu_extra_buffer_types()[DKV_BUFFER_TYPE], backend))
-        if len(specs) > int(dkv):
+            stack.enter_context(Buffer.alloc_ctx_tensors_from_buft(dctx, cpu_extra_buffer_types()[DKV_BUFFER_TYPE], backend))
+        if len(specs) > len(dkv):
             stack.enter_context(Buffer.alloc_ctx_tensors(ctx, backend))
         for t, (_, arr) in zip(tensors, specs):
             t.set(arr)

@@ -59,7 +59,7 @@ def test_ops_no_kernel_of_ours_takes_compute_as_ggml(rng):
                  (lambda g, a, b: g.get_rows(a, b), ("i32", rows))]
         for wtype, w in (("f16", w16), ("f32", w32)):
             for build, second in cases:
-                ours = compute(cpu, [(wtype, w), second], build, weights_in_dkv=True)
+                ours = compute(cpu, [(wtype, w), second], build, dkv=(0,))
                 np.testing.assert_array_equal(ours, compute(cpu, [(wtype, w), second], build))
         buft = cpu_extra_buffer_types()[DKV_BUFFER_TYPE]
         with Context(n_tensors=2) as ctx, Context(n_tensors=4, graph_size=4) as g:

@@ -16,6 +16,7 @@ from pyggml_dkv.ggml import (
     Context,
     bf16_matmul_kernel,
     f16_matmul_kernel,
+    flash_attn_kernel,
 )
 from pyggml_dkv.common.bf16 import from_bf16_bits as bf16_bits_to_fp32, to_bf16_bits as fp32_to_bf16_bits
 from pyggml_dkv.common.numeric import relative_error
@@ -81,7 +82,7 @@ def test_mul_mat_half_weights_few_columns(rng, wtype, m, k, n):
     results = []
     for n_threads in (1, 2, 3):
         with Backend("cpu", n_threads=n_threads) as backend:
-            results.append(compute(backend, [(wtype, w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b), weights_in_dkv=True))
+            results.append(compute(backend, [(wtype, w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b), dkv=(0,)))
     for got in results:
         assert got.shape == (n, m)
         assert relative_error(got, want) < tol, relative_error(got, want)
@@ -191,8 +192,9 @@ def test_flash_attn_ext_gqa_with_mask(be, rng, prec_f32):
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("n_q", [70, 32, 9])
 def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
-    """8+ query rows per head: ggml's tiled CPU flash-attention kernel as old patch 0003 leaves it
-    (on AVX-512: its transposed-score form; elsewhere the row-major one).
+    """8+ query rows per head over K/V in our CPU_DKV buffer (the drafter's caches): our tiled
+    kernel (vendor/kernels/flash-attn-tiled.cpp, old patches 0003 / 0006: transposed scores on
+    AVX-512); from 64 rows ggml's own tiled kernel gives the same precision where ours is absent.
 
     267 keys = four whole 64-key tiles + a partial one (vector and scalar tails): a fully masked
     tile (skipped), a tile every row sees whole (an all-zero mask, not converted), two with mixed
@@ -217,6 +219,8 @@ def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
     visible[5, 266] = True  # only the partial tile's last key
     visible[:, 130] = False  # hidden from every row, in a tile that is computed
     mask = np.where(visible, 0, -np.inf).astype(np.float16)
+    if kv_type == "f16" and n_q < 64 and flash_attn_kernel(n_q, kv_type, d) != "tiled":
+        pytest.skip("ggml's own kernel below 64 rows sums V in f16 (our fa-tiled kernel is not in this build / CPU)")
     # keys no row may see hold NaN (like unused cache rows): they must not reach the output
     k_nan, v_nan = k.copy(), v.copy()
     for rows in (slice(64, 128), slice(130, 131)):
@@ -226,19 +230,20 @@ def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
             backend,
             [("f32", q.transpose(1, 0, 2)[None]), (kv_type, k_nan.transpose(1, 0, 2)[None]),
              (kv_type, v_nan.transpose(1, 0, 2)[None]), ("f16", mask)],
-            lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=True))
+            lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=True), dkv=(1, 2))
     want = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), visible)
     assert relative_error(got[0], want) < 2e-6, relative_error(got[0], want)
     np.testing.assert_allclose(got[0, 5], v[266], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kv_in", ["cpu", "dkv"])
 @pytest.mark.parametrize("kv_type", ["f16", "f32"])
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("n_q,n_kv", [(64, 267), (70, 267), (9, 267), (1, 600)])
-def test_flash_attn_ext_masked_non_finite_keys_stay_out(rng, kv_type, n_threads, n_q, n_kv):
+def test_flash_attn_ext_masked_non_finite_keys_stay_out(rng, kv_type, n_threads, n_q, n_kv, kv_in):
     """Keys no query row may see (unused cache rows) hold NaN and inf: whichever CPU kernel runs
     (ggml's tiled one from 64 query rows per head, its per-row one below that, its split-KV one for
-    a single row and 512+ keys, or ours), they must not reach the output. ggml 0.25.3's tiled kernel
+    a single row and 512+ keys, or ours over K/V in the CPU_DKV buffer), they must not reach the output. ggml 0.25.3's tiled kernel
     returned NaN for every row here (port plan, P5: masked scores exactly -inf, unseen V rows zero).
     Whole masked tiles, an unseen key inside a computed tile, the partial last tile; a row that
     sees only the last key returns that key's value."""
@@ -266,7 +271,8 @@ def test_flash_attn_ext_masked_non_finite_keys_stay_out(rng, kv_type, n_threads,
             backend,
             [("f32", q.transpose(1, 0, 2)[None]), (kv_type, k_bad.transpose(1, 0, 2)[None]),
              (kv_type, v_bad.transpose(1, 0, 2)[None]), ("f16", mask)],
-            lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=True))
+            lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=True),
+            dkv=(1, 2) if kv_in == "dkv" else ())
     assert np.isfinite(got).all(), f"{np.isnan(got).sum()} NaN, {np.isinf(got).sum()} inf of {got.size}"
     want = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), visible)
     assert relative_error(got[0], want) < 1e-2, relative_error(got[0], want)  # ggml's per-row kernel sums V in f16
@@ -302,7 +308,7 @@ def test_flash_attn_ext_tiled_kernel_mask_per_head(rng, n_threads, prec_bf16, n_
              ("f16", v.transpose(1, 0, 2)[None]), ("f16", mask)]
     with Backend("cpu", n_threads=n_threads) as backend:
         got = compute(backend, specs, lambda g, qt, kt, vt, m: g.flash_attn_ext(
-            qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=not prec_bf16, prec_bf16=prec_bf16))
+            qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=not prec_bf16, prec_bf16=prec_bf16), dkv=(1, 2))
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     want = np.stack([attention(q64[:, h:h + 1], k64[:, h // 2:h // 2 + 1], v64[:, h // 2:h // 2 + 1], visible[h % 2])[:, 0]
                      for h in range(n_head)], axis=1)
@@ -404,13 +410,15 @@ def test_flash_attn_ext_tiled_kernel_bias_and_softcap(rng, n_threads, d, n_q, so
     bias[:, 0] = 0  # every row sees a key
     bias[:, 64:128] = 0  # one tile with an all-zero mask
     scale = 1 / math.sqrt(d)
+    if n_q < 64 and flash_attn_kernel(n_q, "f16", d) != "tiled":
+        pytest.skip("ggml's own kernel below 64 rows sums V in f16 (our fa-tiled kernel is not in this build / CPU)")
     with Backend("cpu", n_threads=n_threads) as backend:
         got = compute(
             backend,
             [("f32", q.transpose(1, 0, 2)[None]), ("f16", k.transpose(1, 0, 2)[None]),
              ("f16", v.transpose(1, 0, 2)[None]), ("f16", bias)],
             lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, scale, max_bias=max_bias,
-                                                      logit_softcap=softcap, prec_f32=True))
+                                                      logit_softcap=softcap, prec_f32=True), dkv=(1, 2))
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     s = np.einsum("qhd,kd->hqk", q64, k64[:, 0]) * scale
     if softcap:
