@@ -103,8 +103,10 @@ def test_a_misspelt_switch_is_refused(monkeypatch, value):
 def test_the_avx2_rule(monkeypatch):
     """Where ggml was built for AVX2 without AVX-512 (patch 0042's kernel; the AVX2-only build test
     runs its arithmetic), a bf16 product of whole 16-input blocks and up to 64 columns takes it, the
-    rest ggml's own path. Here the build answer is simulated: it is the CPU's."""
+    rest ggml's own path. Here the build answer is simulated: it is the CPU's (and the CPU_DKV
+    buffer type the weights live in, which an unpatched build lacks)."""
     monkeypatch.setattr(capabilities, "half_matmul_avx2", lambda: True)
+    monkeypatch.setattr(capabilities, "dkv_buffer_available", lambda: True)
     assert bf16_matmul_kernel((1024, 1000)) == "avx2_fma"
     assert bf16_matmul_kernel((48, 7), n_columns=64) == "avx2_fma"
     assert bf16_matmul_kernel((40, 7)) == "ggml"
