@@ -26,7 +26,7 @@ INCLUDE_DIR = LIBS / "include"
 EXPORTS_MAP = HERE / "exports.map"
 # C compiled into the extension next to ggml: custom ops (ggml_custom_4d) the Python layer builds,
 # and the AMX tile helper a llama.cpp host calls
-OP_SOURCES = [HERE / "screened_argmax.c", HERE / "amx_tiles.c"]
+OP_SOURCES = [HERE / "screened_argmax.c", HERE / "dynamic_conv.c", HERE / "amx_tiles.c"]
 # static libraries: dependents before what they use (the group below tolerates any order anyway)
 CORE_LIBRARIES = ["ggml", "ggml-cpu", "ggml-base"]
 

@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ._lowlevel import ffi, lib
-from .op_checks import check_convert, fail, OpBuilder
+from .op_checks import F32, check_convert, check_type, fail, OpBuilder
 from .types import ggml_type
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,6 +96,37 @@ class LayoutOps(OpBuilder):
         self._reserve(None)
         out = self._wrap(lib.ggml_concat(self.handle, a.ptr, b.ptr, dim))
         out._ndim = max(a.ndim, b.ndim, dim + 1)
+        return out
+
+    def repeat(self, a: "Tensor", *ne: int) -> "Tensor":
+        """ggml_repeat_4d: a tiled to shape `ne` (each of a's dims must divide the new one)."""
+        self._same_ctx("repeat", a)
+        if not 1 <= len(ne) <= 4 or any(not isinstance(d, int) or d <= 0 for d in ne):
+            fail("repeat", f"ne must be 1..4 positive ints, got {ne}")
+        full = (*ne, *(1,) * (4 - len(ne)))
+        if any(d % s for d, s in zip(full, a.ne)):
+            fail("repeat", f"{a.name!r} {a.ne} does not tile {full}")
+        check_type("repeat", a, (F32,))
+        if a.nb[0] != lib.ggml_type_size(a.type_id):
+            fail("repeat", f"{a.name!r} must have packed rows (not transposed)")
+        self._reserve(None)
+        out = self._wrap(lib.ggml_repeat_4d(self.handle, a.ptr, *full))
+        out._ndim = max(len(ne), a.ndim)
+        return out
+
+    def pad(self, a: "Tensor", before: tuple[int, ...], after: tuple[int, ...] = ()) -> "Tensor":
+        """ggml_pad_ext: zeros added before / after each dim (ggml order, missing dims 0)."""
+        self._same_ctx("pad", a)
+        lp = (*before, *(0,) * (4 - len(before)))
+        rp = (*after, *(0,) * (4 - len(after)))
+        if len(lp) != 4 or len(rp) != 4 or any(not isinstance(p, int) or p < 0 for p in (*lp, *rp)):
+            fail("pad", f"padding must be up to 4 ints >= 0 per side, got {before} / {after}")
+        check_type("pad", a, (F32,))
+        if a.nb[0] != lib.ggml_type_size(a.type_id):
+            fail("pad", f"{a.name!r} must have packed rows (not transposed)")
+        self._reserve(None)
+        out = self._wrap(lib.ggml_pad_ext(self.handle, a.ptr, lp[0], rp[0], lp[1], rp[1], lp[2], rp[2], lp[3], rp[3]))
+        out._ndim = max(a.ndim, *(d + 1 for d in range(4) if lp[d] or rp[d]))
         return out
 
     def cpy(self, a: "Tensor", b: "Tensor") -> "Tensor":

@@ -75,6 +75,19 @@ class MathOps(OpBuilder):
         out._ndim = 1
         return out
 
+    def top_k(self, a: "Tensor", k: int) -> "Tensor":
+        """ggml_top_k: the i32 indices [k, ...] of each row's k largest values, in no promised order."""
+        self._same_ctx("top_k", a)
+        check_type("top_k", a, (F32,))
+        if not isinstance(k, int) or not 1 <= k <= a.ne[0]:
+            fail("top_k", f"k must be an int in [1, {a.ne[0]}], got {k!r}")
+        if not a.is_contiguous:  # the CPU kernel steps through rows by ne1's stride alone
+            fail("top_k", f"{a.name!r} must be contiguous")
+        self._reserve(None)
+        out = self._wrap(lib.ggml_top_k(self.handle, a.ptr, k))
+        out._ndim = max(1, a.ndim)
+        return out
+
     def mul_mat(self, a: "Tensor", b: "Tensor", prec_f32: bool = False) -> "Tensor":
         """ggml_mul_mat(a, b): a [K, M], b [K, N] -> [M, N] (a is the weight, PyTorch (out, in))."""
         self._same_ctx("mul_mat", a, b)
