@@ -1,25 +1,32 @@
 """config.json <-> DraftConfig: the `dflash` package's Qwen3-style drafter config, mapped key by key.
 
 Every key a config holds is either mapped to a DraftConfig field or refused by name (a
-CheckpointError): DFlash-2 keys, rope types other than default / linear / yarn, partial rotary,
-attention biases, non-causal sliding or causal full layers, ...
+CheckpointError): rope types other than default / linear / yarn, partial rotary, attention
+biases, non-causal sliding or causal full layers, ...
+
+DFlash-2 (`architectures: ["DFlash2DraftModel"]`, docs/dflash2.md): the four keys
+`conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`, read like every dflash
+key from `dflash_config` first, then the top level (the `dflash` package's `_draft_value`). A
+DFlash-2 architecture without all four, or the keys under the DFlash-1 architecture, is refused:
+the `dflash` package would build a different model than llama.cpp's converter.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..common.checks import is_real
-from .config import ConfigError, DraftConfig
+from .config import DFLASH2_FIELDS, ConfigError, DraftConfig
 from .errors import CheckpointError
 from .safetensors_io import save_dtype
 
 
 ARCHITECTURE = "DFlashDraftModel"
-DFLASH2_ARCHITECTURES = ("DFlash2DraftModel",)
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+DFLASH2_ARCHITECTURES = (DFLASH2_ARCHITECTURE,)
 
 # Qwen3Config's defaults (transformers 5.x), used where a key is absent, as DFlashDraftModel would.
 _QWEN3_DEFAULTS: dict[str, Any] = {
@@ -60,12 +67,14 @@ _TOP_LEVEL_KEYS = {
     # dflash (read from dflash_config first, then here)
     "dflash_config", "num_target_layers", "block_size", "mask_token_id", "target_layer_ids",
     "output_multiplier", "final_logit_softcapping", "input_embedding_scale",
+    # DFlash-2 (dflash_config first, then here)
+    *DFLASH2_FIELDS,
 }
 _DFLASH_KEYS = {
     "block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "output_multiplier",
     "final_logit_softcapping", "input_embedding_scale", "causal", "attention_mode", "projector_type",
+    *DFLASH2_FIELDS,
 }
-_DFLASH2_KEYS = {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
 _HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 _ROPE_KEYS = {
     "default": {"rope_type", "type", "rope_theta"},
@@ -210,15 +219,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> DraftConfig:
     if archs is not None:
         if not isinstance(archs, list) or not archs:
             raise CheckpointError(f"architectures must be a non-empty list, got {archs!r}")
-        dflash2 = [a for a in archs if a in DFLASH2_ARCHITECTURES]
-        if dflash2:
-            raise CheckpointError(f"architecture {dflash2[0]} (DFlash-2: dynamic convolutions + candidate selector) is not supported")
-        other = [a for a in archs if a != ARCHITECTURE]
+        other = [a for a in archs if a not in (ARCHITECTURE, DFLASH2_ARCHITECTURE)]
         if other:
-            raise CheckpointError(f"unsupported architecture(s) {other}; expected [{ARCHITECTURE!r}]")
-    d2 = sorted((_DFLASH2_KEYS & set(dc)) | (_DFLASH2_KEYS & set(hf)))
-    if d2:
-        raise CheckpointError(f"DFlash-2 config key(s) {d2} (dynamic convolutions / candidate selector) are not supported")
+            raise CheckpointError(f"unsupported architecture(s) {other}; expected [{ARCHITECTURE!r}] "
+                                  f"or [{DFLASH2_ARCHITECTURE!r}]")
+        if len(set(archs)) > 1:
+            raise CheckpointError(f"architectures {archs} names both DFlash-1 and DFlash-2")
     unknown = sorted(set(dc) - _DFLASH_KEYS)
     if unknown:
         raise CheckpointError(f"unsupported dflash_config key(s) {unknown}")
@@ -313,6 +319,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> DraftConfig:
     softcap = value("final_logit_softcapping")
     softcap = None if softcap is None else _float_value("final_logit_softcapping", softcap)
     vocab = hf.get("vocab_size")
+    dflash2 = _dflash2_from_hf(archs, value)
 
     try:
         return DraftConfig(
@@ -334,9 +341,35 @@ def config_from_hf(hf: Mapping[str, Any]) -> DraftConfig:
             final_logit_softcapping=softcap if softcap is not None and softcap > 0 else None,
             target_layer_ids=ids,
             **_rope_from_hf(hf),
+            **dflash2,
         )
     except ConfigError as e:
         raise CheckpointError(str(e)) from e
+
+
+def _dflash2_from_hf(archs: Any, value: Callable[[str], Any]) -> dict[str, int]:
+    """The DFlash-2 fields of DraftConfig; `value(name)` is the `_draft_value` lookup.
+
+    The architecture and the keys must agree: `DFlash2DraftModel` reads all four keys (the
+    `dflash` package fails without one), while `DFlashDraftModel` would ignore them and drop the
+    DFlash-2 tensors, which llama.cpp's converter would keep. Without `architectures` the keys
+    decide."""
+    found = {name: value(name) for name in DFLASH2_FIELDS if value(name) is not None}
+    is_2 = isinstance(archs, list) and DFLASH2_ARCHITECTURE in archs
+    if isinstance(archs, list) and not is_2 and found:
+        raise CheckpointError(f"DFlash-2 key(s) {sorted(found)} under architecture {ARCHITECTURE!r}: the dflash package "
+                              f"would build a DFlash-1 drafter and drop the DFlash-2 tensors (use {DFLASH2_ARCHITECTURE!r})")
+    if not found and not is_2:
+        return {}
+    missing = [name for name in DFLASH2_FIELDS if name not in found]
+    if missing:
+        raise CheckpointError(f"DFlash-2 config without {missing} (dflash_config.{missing[0]}): "
+                              f"{DFLASH2_ARCHITECTURE} needs all of {list(DFLASH2_FIELDS)}")
+    out = {name: _int_value(f"dflash_config.{name}", v) for name, v in found.items()}
+    bad = [name for name, v in out.items() if v <= 0]
+    if bad:
+        raise CheckpointError(f"dflash_config.{bad[0]} must be > 0, got {out[bad[0]]}")
+    return out
 
 
 def _rope_to_hf(cfg: DraftConfig) -> tuple[dict[str, Any], int | None]:
@@ -387,8 +420,10 @@ def config_to_hf(cfg: DraftConfig, dtype: str = "float32") -> dict[str, Any]:
         dflash_config["output_multiplier"] = float(cfg.output_multiplier)
     if cfg.final_logit_softcapping is not None:
         dflash_config["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+    if cfg.is_dflash2:  # in dflash_config: llama.cpp's converter reads them nowhere else
+        dflash_config.update({name: int(getattr(cfg, name)) for name in DFLASH2_FIELDS})
     hf: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
+        "architectures": [DFLASH2_ARCHITECTURE if cfg.is_dflash2 else ARCHITECTURE],
         "attention_bias": False,
         "attention_dropout": 0.0,
         "block_size": cfg.block_size,

@@ -16,7 +16,7 @@ from .config import DraftConfig
 from .checkpoint import read_checkpoint, write_checkpoint
 from .errors import CheckpointError, WeightsError
 from .gguf_names import GGUFError
-from .tensor_names import expected_shapes, is_norm
+from .tensor_names import CONV_PROJECTION, expected_shapes, is_conv_base_kernel, is_norm, is_selector_codebook
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..ggml import Backend
@@ -35,6 +35,28 @@ def _vocab_matrix(cfg: DraftConfig, arr: np.ndarray | None, name: str) -> np.nda
     arr = np.ascontiguousarray(arr, dtype=np.float32)
     arr.flags.writeable = False
     return arr
+
+def _random_base_kernel(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """A random DFlash-2 base kernel (2, K, H): tap 0 near 1 so a sublayer keeps its input's scale,
+    the earlier rows' taps ~0.2 so the convolution visibly mixes rows."""
+    kernel = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.2)
+    kernel[:, 0, :] = rng.uniform(0.8, 1.2, size=(shape[0], shape[2])).astype(np.float32)
+    return kernel
+
+
+def _random_scale(name: str, shape: tuple[int, ...]) -> float:
+    """The standard deviation of a random matrix entry.
+
+    Matrices: 1/sqrt(in), so O(1) inputs give O(1) outputs. A convolution's kernel projection is
+    halved: its outputs are added to the base kernel's taps, ~0.5 each, enough to matter without
+    dwarfing tap 0. The selector's codebooks: R^(-1/4) each, so sum_r A[p,r] gamma[r] B[c,r] over
+    the R ranks (gamma O(1)) is O(1), comparable to the logit gaps between the top candidates.
+    """
+    if is_selector_codebook(name):
+        return float(shape[1]) ** -0.25
+    scale = 1.0 / np.sqrt(shape[1])
+    return 0.5 * scale if name.endswith(CONV_PROJECTION) else scale
+
 
 class DraftWeights(Mapping[str, np.ndarray]):
     """Host parameters of one drafter. A read-only mapping `name -> float32 array`."""
@@ -98,9 +120,11 @@ class DraftWeights(Mapping[str, np.ndarray]):
         for name, shape in expected_shapes(cfg).items():
             if is_norm(name):
                 tensors[name] = rng.uniform(0.5, 1.5, size=shape).astype(np.float32)
+            elif is_conv_base_kernel(name):
+                tensors[name] = _random_base_kernel(rng, shape)
             else:  # drawn in float32 in place: a qwen3-8b-sized drafter has ~1e9 parameters
                 tensors[name] = rng.standard_normal(shape, dtype=np.float32)
-                tensors[name] *= np.float32(1.0 / np.sqrt(shape[1]))
+                tensors[name] *= np.float32(_random_scale(name, shape))
         return cls(cfg, tensors)
 
     @classmethod

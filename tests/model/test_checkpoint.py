@@ -503,10 +503,11 @@ def test_rope_variants_mapping():
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "low_freq_factor": 1}), "low_freq_factor"),
     (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1.0},
                            "sliding_attention": {"rope_type": "default", "rope_theta": 2.0}}), "per-layer-type rope"),
-    (dict(architectures=["DFlash2DraftModel"]), "DFlash-2"),
+    (dict(architectures=["DFlash2DraftModel"]), r"DFlash-2 config without \['conv_kernel_size'"),
     (dict(architectures=["Qwen3ForCausalLM"]), "unsupported architecture"),
-    (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "conv_kernel_size": 4}), "DFlash-2 config key"),
-    (dict(selector_rank=8), "DFlash-2 config key"),
+    (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "conv_kernel_size": 4}),
+     r"DFlash-2 key\(s\) \['conv_kernel_size'\] under architecture 'DFlashDraftModel'"),
+    (dict(selector_rank=8), r"DFlash-2 key\(s\) \['selector_rank'\] under architecture"),
     (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "frobnicate": 1}), "frobnicate"),
     (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "attention_mode": "mla"}), "attention_mode 'mla'"),
     (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "causal": True}), "causal=true"),
@@ -548,9 +549,9 @@ def test_extra_tensor_is_refused(ckpt):
 
 
 @pytest.mark.parametrize("extra, match", [
-    ("layers.0.attention_conv.base_kernel", "DFlash-2"),
-    ("layers.1.mlp_conv.kernel_projection.weight", "DFlash-2"),
-    ("candidate_selector.predecessor_codebook", "DFlash-2"),
+    ("layers.0.attention_conv.base_kernel", r"DFlash-2 tensor.*base_kernel.*config\.json is DFlash-1"),
+    ("layers.1.mlp_conv.kernel_projection.weight", r"DFlash-2 tensor.*kernel_projection.*config\.json is DFlash-1"),
+    ("candidate_selector.predecessor_codebook", r"DFlash-2 tensor.*predecessor_codebook.*config\.json is DFlash-1"),
     ("layers.0.self_attn.q_proj.bias", r"bias tensor.*q_proj\.bias"),
     ("rotary_emb.inv_freq", r"rotary_emb\.inv_freq"),
 ])

@@ -197,8 +197,9 @@ def test_write_refusals(tmp_path, vocab_file):
 
 
 REFUSED_KEYS = [
-    ("dflash.conv_kernel_size", (4, T.UINT32), "DFlash-2"),
-    ("dflash.selector_top_k", (4, T.UINT32), "selector"),
+    # DFlash-2 keys without the others (more in test_dflash2_files.py)
+    ("dflash.conv_kernel_size", (4, T.UINT32), "missing key 'dflash.conv_group_size'"),
+    ("dflash.selector_top_k", (4, T.UINT32), "missing key 'dflash.conv_kernel_size'"),
     ("dflash.has_confidence_head", (True, T.BOOL), "DSpark"),
     ("dflash.sample_from_anchor", (False, T.BOOL), "DSpark"),
     ("dflash.attention.value_scale", (0.5, T.FLOAT32), "value scale"),
@@ -225,8 +226,9 @@ def test_refused_keys(name, value, match, toy_file, tmp_path):
 
 REFUSED_TENSORS = [
     ("blk.0.attn_post_norm.weight", (256,), "post-attention"),
-    ("selector_hidden.weight", (8, 256), "DFlash-2"),
-    ("blk.1.attn_conv_proj.weight", (8, 256), "DFlash-2"),
+    # DFlash-2 tensors in a file without the DFlash-2 keys
+    ("selector_hidden.weight", (8, 256), "DFlash-2 tensor .* none of the keys"),
+    ("blk.1.attn_conv_proj.weight", (8, 256), "DFlash-2 tensor .* none of the keys"),
     ("markov_w1.weight", (N_VOCAB, 8), "DSpark"),
     ("fc.scale", (1,), "scales"),
     ("blk.0.attn_sinks.weight", (4,), "sinks"),
