@@ -32,6 +32,7 @@ from .bulk_append import bulk_append, copy_lane_rows
 from .features import FeatureRing, check_window
 from .head_screen import LM_HEAD_SCREENS, HeadScreen
 from .masks import StepMasks
+from .selector_walk import SelectorLattice
 from .slots import LaneState, SlotBook
 from .step_graph import BuiltStepGraph, CacheMemory, Geometry, build_step_graph
 from .step_inputs import StepInputs
@@ -91,12 +92,18 @@ class DraftKvCache:
             self.head_screen = None
             if lm_head_screen is not None:
                 check_choice("lm_head_screen", lm_head_screen, LM_HEAD_SCREENS)
+                if cfg.is_dflash2:
+                    raise ValueError("lm_head_screen does not apply to a DFlash-2 drafter: its candidate "
+                                     "selector reads every row's top-k logits, so each step computes the full head")
                 if self.lm_head is None:
                     raise ValueError(f"lm_head_screen={lm_head_screen!r} was given without an lm_head")
                 self.head_screen = self._own(HeadScreen(backend, self.lm_head, cfg))
             self.embed_tokens = self._vocab_matrix(embed_tokens, "embed_tokens")
+            # a DFlash-2 step drafts by its selector's walk: that needs the anchor ids (token input)
+            # and the logits
+            self.selector = cfg.is_dflash2 and self.embed_tokens is not None and self.lm_head is not None
             self.memory = self._own(CacheMemory(weights, backend, geo, cache_type, masks[0],
-                                                token_input=self.embed_tokens is not None))
+                                                token_input=self.embed_tokens is not None, selector=self.selector))
             # one graph per number of leading lanes and fold-in size (geometry.graph_keys), all over
             # the same memory; a step computes the smallest that takes its lanes and new rows, the
             # last (every lane, lanes * a_step rows) is `gf`. With a screen these yield the screened
@@ -359,8 +366,10 @@ class DraftKvCache:
         copy out (logits: 3 MB a step at a 49152-token vocabulary, ~0.3 ms); the array is then the
         tensor's data until the next step. None where the tensor is not in host memory (GPU, RPC:
         it is downloaded after the compute)."""
-        tensor = getattr((self.logit_graphs if logits else self.graphs)[self._bucket], output)
-        if not tensor.in_host_memory:
+        built = (self.logit_graphs if logits else self.graphs)[self._bucket]
+        tensor = getattr(built, output)
+        if not tensor.in_host_memory or (output == "draft_ids" and built.selector is not None):
+            # (a DFlash-2 walk writes its ids into the cache's memory, which must stay where it is)
             return tensor, None
         out = host_array(tensor.shape, tensor.numpy_dtype)
         tensor.place_in(out)
@@ -421,6 +430,20 @@ class DraftKvCache:
             per_lane[lane] = out[lane * self.q_len:(lane + 1) * self.q_len]
         return per_lane
 
+    def _split_lattices(self, active: list[tuple[int, FeatureRing, int, Any]]) -> Any:
+        """The lattice of each active lane's block from the graph computed last (docs/dflash2.md)."""
+        sel = self._computed.selector
+        assert sel is not None
+        candidates = sel.candidates.numpy().astype(np.int64)  # (rows, k)
+        first, rest = sel.first.numpy(), sel.rest.numpy()  # (lanes, 1, k), (lanes, block - 1, k, k)
+        q = self.q_len
+        per_lane: list[SelectorLattice | None] = [None] * self.lanes
+        for lane, *_ in active:
+            scores = rest[lane].copy()
+            scores[0] = first[lane, 0][None, :]  # position 1 follows the anchor, whatever the row
+            per_lane[lane] = SelectorLattice(candidates[lane * q + 1:(lane + 1) * q], scores)
+        return per_lane if self.lanes > 1 else per_lane[0]
+
     def step(self, rings: Any, committed: Any, noise_embed: Any) -> Any:
         """One draft step: hidden states (q_len, hidden), or logits (q_len, vocab) with an lm_head
         (with lm_head_screen too: the full head's product). A new array each step; on the CPU the
@@ -440,15 +463,20 @@ class DraftKvCache:
 
     def step_tokens(self, rings: Any, committed: Any, tokens: Any, output: str = "ids") -> Any:
         """One draft step from token ids (needs embed_tokens): `output` "ids" (per-row argmax,
-        needs lm_head), "logits" or "hidden". A new array each step, computed into as step()'s.
-        With lanes: lists with one entry per lane (None: idle), and a list of per-lane results."""
+        needs lm_head; a DFlash-2 drafter's: row 0 unused, rows 1.. its selector's greedy walk),
+        "logits", "hidden", or (DFlash-2) "lattice": the block's SelectorLattice
+        (drafter.selector_walk), for walks the graph does not take. A new array each step,
+        computed into as step()'s. With lanes: lists with one entry per lane (None: idle), and a
+        list of per-lane results."""
         with self._exclusive("use one cache per thread"):
             self._check_usable()
             if self.inp_tokens is None:
                 raise GGMLError("this cache takes embeddings (built without embed_tokens): use step()")
-            check_choice("output", output, ("ids", "logits", "hidden"))
+            check_choice("output", output, ("ids", "logits", "hidden", "lattice"))
             if output != "hidden" and self.lm_head is None:
                 raise GGMLError(f"output={output!r} needs the cache to be built with an lm_head")
+            if output == "lattice" and not self.selector:
+                raise GGMLError("output='lattice' needs a DFlash-2 drafter (its candidate selector)")
             active = self._lane_args(rings, committed, tokens, "tokens")
             vocab = self.embed_tokens.ne[1]
             checked = []
@@ -458,6 +486,9 @@ class DraftKvCache:
                 except ValueError as e:
                     raise ValueError(f"lane {lane}: {e}" if self.lanes > 1 else str(e)) from None
             self._begin_lanes(checked, self._token_writers, "write")
+            if output == "lattice":
+                self.compute()
+                return self._split_lattices(checked)
             name = {"ids": "draft_ids", "logits": "logits", "hidden": "hidden_states"}[output]
             tensor, out = self._output_in_new_array(name, logits=output == "logits")
             self.compute(logits=output == "logits")

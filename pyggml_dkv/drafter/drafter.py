@@ -28,6 +28,7 @@ from ..common.sampling import sampling_probs
 from ..model.backend_weights import BackendWeights
 from .cache import DraftKvCache
 from .features import FeatureRing
+from .selector_walk import greedy_walk, sampled_walk
 from ..ggml import Backend
 from ..model.weights import DraftWeights
 
@@ -233,6 +234,8 @@ class Drafter:
         tokens = [self._tokens[i] if i in active else None for i in range(self.lanes)]
         if self.lanes == 1:
             rings, committed, tokens = rings[0], committed[0], tokens[0]  # type: ignore[assignment]
+        if self.cfg.is_dflash2:
+            return self._propose_dflash2(rings, committed, tokens, active, greedy_ids, settings["temperature"], rng)
         out = self.cache.step_tokens(rings, committed, tokens, output="ids" if greedy_ids else "logits")
         per_lane = out if self.lanes > 1 else [out]
         results: list[Any] = [None] * self.lanes
@@ -246,6 +249,26 @@ class Drafter:
             else:
                 probs = sampling_probs(rows, t, settings["top_k"][lane], settings["top_p"][lane])
                 results[lane] = (sample_rows(probs, rng or np.random.default_rng()), probs)
+        return results
+
+    def _propose_dflash2(self, rings: Any, committed: Any, tokens: Any, active: list[int], greedy_ids: bool,
+                         temperatures: list[float], rng: np.random.Generator | None) -> list[Any]:
+        """DFlash-2 drafts come from the candidate selector's walk (docs/dflash2.md): greedy ids
+        from the graph's own walk; a p_min cut-off or a sampled path from the block's lattice.
+        Sampling returns (ids, probs) with probs[i] the distribution over the vocabulary that id i
+        was drawn from (its support: position i's top-k candidates); the user's top-k / top-p
+        apply to the target's distribution, not to these."""
+        out = self.cache.step_tokens(rings, committed, tokens, output="ids" if greedy_ids else "lattice")
+        per_lane = out if self.lanes > 1 else [out]
+        results: list[Any] = [None] * self.lanes
+        for lane in active:
+            t = temperatures[lane]
+            if greedy_ids:
+                results[lane] = per_lane[lane][1:].astype(np.int64)
+            elif t == 0:
+                results[lane] = greedy_walk(per_lane[lane], self.p_min)
+            else:
+                results[lane] = sampled_walk(per_lane[lane], t, self.vocab, rng or np.random.default_rng())
         return results
 
     def _per_lane(self, name: str, value: Any) -> list[Any]:

@@ -63,7 +63,8 @@ class _WindowGraph:
             return g.cast(k, drafter.cache_type), g.cast(v, drafter.cache_type)
 
         head = L.noise_forward(g, w, self.inp_embed, self.pos_q, kv_of_layer, {False: self.mask_full, True: self.mask_swa},
-                               drafter.layer_swa, fold, drafter.attention == "bf16" and be.is_cpu, drafter.lm_head)
+                               drafter.layer_swa, fold, drafter.attention == "bf16" and be.is_cpu, drafter.lm_head,
+                               convs=L.Convolutions(1, custom_op=be.is_cpu) if cfg.is_dflash2 else None)
         self.out = self.graph.expand(head.logits if head.logits is not None else head.hidden)
         self.galloc = Gallocr(be)
         self.galloc.alloc_graph(self.graph)

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..ggml import Backend, Buffer, Context, Gallocr, Graph, Tensor
 from ..model.backend_weights import BackendWeights
+from . import dflash2_graph as D2
 from . import layers as L
 from .head_screen import HeadScreen
 from .masks import SplitMask, StepMasks
@@ -113,11 +114,11 @@ class CacheMemory:
     views. The fold-in inputs hold the new rows of every lane of a step packed together."""
 
     def __init__(self, weights: BackendWeights, backend: Backend, geo: Geometry, cache_type: str,
-                 masks: StepMasks, token_input: bool) -> None:
+                 masks: StepMasks, token_input: bool, selector: bool = False) -> None:
         cfg = weights.cfg
         kv_width = cfg.head_dim * cfg.n_head_kv
         lanes = geo.lanes
-        self.ctx = Context(n_tensors=2 * cfg.n_layer + 14 + 8 * lanes)
+        self.ctx = Context(n_tensors=2 * cfg.n_layer + 15 + 8 * lanes)
         m = self.ctx
         self.k_cache = [m.new_tensor(cache_type, kv_width, geo.kv_total * lanes, name=f"k_cache.{i}") for i in range(cfg.n_layer)]
         self.v_cache = [m.new_tensor(cache_type, kv_width, geo.kv_total * lanes, name=f"v_cache.{i}") for i in range(cfg.n_layer)]
@@ -140,6 +141,8 @@ class CacheMemory:
         self.ap_feat = m.new_tensor("f32", cfg.fc_in, geo.a_step * lanes, name="ap_feat")
         self.ap_pos = m.new_tensor("i32", geo.a_step * lanes, name="ap_pos")
         self.ap_rows = m.new_tensor("i32", geo.a_step * lanes, name="ap_rows")
+        # DFlash-2: the selector's greedy walk writes each block's draft ids here (row 0 unused)
+        self.walk_ids = m.new_tensor("i32", q_rows, name="walk_ids") if selector else None
         for t in self.inputs():
             t.set_input()
         self.lane_inputs = [self._lane_views(lane, geo) for lane in range(lanes)] if lanes > 1 else [self._whole_lane()]
@@ -216,6 +219,7 @@ class BuiltStepGraph:
     draft_ids: Tensor | None
     n_lanes: int = 1  # the leading lanes it computes
     fold_rows: int = 0  # the fold-in rows it takes
+    selector: D2.SelectorOutputs | None = None  # DFlash-2: the walk's ids (draft_ids) and its lattice
 
     def close(self) -> None:
         self.galloc.close()
@@ -236,7 +240,8 @@ def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory
     """Build and allocate a step graph of the first `n_lanes` lanes folding in the first
     `fold_rows` rows of the fold-in inputs, once; every step recomputes it as it is. With a
     `head_screen` the draft ids come from the screened argmax (drafter.head_screen) and this
-    graph has no logits."""
+    graph has no logits. A DFlash-2 drafter's graph convolves the noise block's sublayers and,
+    with token input and an lm_head, takes its draft ids from the candidate selector's walk."""
     cfg = weights.cfg
     size = L.graph_size_for(cfg)
     g = Context(n_tensors=size, graph_size=size)
@@ -263,14 +268,19 @@ def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory
         else:
             h = first_rows(g, mem.inp_embed, q_rows)
         masks = {False: mem.attention_mask(g, gf, "mask_full", n_lanes), True: mem.attention_mask(g, gf, "mask_swa", n_lanes)}
+        convs = L.Convolutions(n_lanes, custom_op=backend.is_cpu) if cfg.is_dflash2 else None
         head = L.noise_forward(g, weights, h, pos_q, kv_of_layer, masks, layer_swa, fold, bf16_products,
-                               lm_head if head_screen is None else None, n_lanes, geo.kv_total)
+                               lm_head if head_screen is None else None, n_lanes, geo.kv_total, convs)
 
         # (c) outputs
         hidden = gf.expand(head.hidden)
         logits = gf.expand(head.logits) if head.logits is not None else None
-        draft_ids = None
-        if logits is not None:
+        draft_ids, selector = None, None
+        if mem.walk_ids is not None and logits is not None:
+            tokens = first_rows(g, mem.inp_tokens, q_rows)
+            selector = D2.selector(g, gf, weights, head.hidden, logits, tokens, n_lanes, first_rows(g, mem.walk_ids, q_rows))
+            draft_ids = mem.walk_ids  # in the cache's memory: every lane's ids, read after the compute
+        elif logits is not None:
             draft_ids = gf.expand(g.argmax(logits))
         elif head_screen is not None and lm_head is not None:
             scores = g.mul_mat(head_screen.scores_matrix, head.hidden)
@@ -284,4 +294,4 @@ def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory
     except BaseException:
         g.close()
         raise
-    return BuiltStepGraph(g, gf, galloc, hidden, logits, draft_ids, n_lanes, fold_rows)
+    return BuiltStepGraph(g, gf, galloc, hidden, logits, draft_ids, n_lanes, fold_rows, selector)

@@ -11,7 +11,7 @@ import numpy as np
 from .config import DraftConfig
 from ..ggml import (TYPE_NAMES, Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types,
                     cpu_repack_fits, ggml_type, lib, vnni_available, vnni_repack_fits)
-from .tensor_names import is_fold_in_matrix, is_norm
+from .tensor_names import is_fold_in_matrix, is_norm, is_selector_codebook
 
 if TYPE_CHECKING:  # pragma: no cover
     from .weights import DraftWeights
@@ -112,7 +112,7 @@ class BackendWeights:
         cfg = weights.cfg
         if dtype == "q8_0":
             block = int(lib.ggml_blck_size(ggml_type("q8_0")))
-            odd = sorted({n for n, a in weights.items() if a.ndim == 2 and a.shape[1] % block})
+            odd = sorted({n for n, a in weights.items() if a.ndim == 2 and a.shape[1] % block and not is_selector_codebook(n)})
             if odd:
                 raise ValueError(f"q8_0 needs every matrix's input width to be a multiple of {block}; not: {odd[:4]}")
         self.cfg: DraftConfig = cfg
@@ -126,7 +126,10 @@ class BackendWeights:
         # buffer. The fold-in's matrices, which a bulk append multiplies by hundreds of rows, get a
         # second copy where the kernel for those differs (q8_0 on AMX CPUs: `bulk`)
         types = {n: self._matrix_type(weights, n, dtype) for n, a in weights.items() if a.ndim == 2 and not is_norm(n)}
-        kinds = {n: repack_buffer(backend, types[n], *weights[n].shape, bulk=False) for n in types} if repack else {}
+        # tables the graph reads rows of (DFlash-2's codebooks) are never repacked (get_rows reads plain rows)
+        types.update({n: self._table_type(weights, n, dtype) for n in weights if is_selector_codebook(n)})
+        kinds = {n: repack_buffer(backend, types[n], *weights[n].shape, bulk=False)
+                 for n in types if not is_selector_codebook(n)} if repack else {}
         bulk_kinds = {n: repack_buffer(backend, types[n], *weights[n].shape, bulk=True)
                       for n in types if repack and is_fold_in_matrix(n)}
         bulk_kinds = {n: k for n, k in bulk_kinds.items() if k is not None and k != kinds[n]}
@@ -170,6 +173,15 @@ class BackendWeights:
             return dtype
         stored = weights.stored.get(name)
         return stored.type_name if stored is not None else NATIVE_FALLBACK
+
+    @staticmethod
+    def _table_type(weights: DraftWeights, name: str, dtype: str) -> str:
+        """A lookup table's type: the weights' float type; f16 beside quantized matrices (rows of a
+        table are read, not multiplied: no int8 product to gain, and a row's scale is one more error)."""
+        if dtype == "native":
+            stored = weights.stored.get(name)
+            return stored.type_name if stored is not None and stored.type_name in ("f32", "f16", "bf16") else NATIVE_FALLBACK
+        return dtype if dtype in ("f32", "f16", "bf16") else "f16"
 
     @property
     def repack_kinds(self) -> tuple[str, ...]:
