@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, LlamaTarget, OracleDrafter, 
-                                        SpeculativeGenerator, compare_to_plain, ggml_drafter,
-                                        plain_greedy, random_smollm2_weights, smollm2_draft_config)
-from pyggml_dkv.hosts.smollm2 import smollm2_gguf
+from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, LlamaTarget, OracleDrafter, SpeculativeGenerator,
+                                        compare_to_plain, ggml_drafter, plain_greedy, random_smollm2_weights,
+                                        smollm2_draft_config, smollm2_gguf)
 
 PROMPTS = (
     "Write a short poem about the sea.",

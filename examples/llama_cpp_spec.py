@@ -1,6 +1,7 @@
 """Speculative decoding inside a llama-cpp-python host: llama.cpp runs the target, a DFlash
 drafter drafts, the target verifies. Prints the text, the lossless check against plain greedy
-decoding of the same prompt in the same run, the acceptance histogram and tokens/s.
+decoding of the same prompt in the same run, the acceptance histogram and tokens/s. (The short
+version, llama-cpp-python's own Llama with the drafter attached: examples/llama_cpp_quickstart.py.)
 
     pip install -e ".[llama]"
     python examples/llama_cpp_spec.py                         # SmolLM2-135M target, the shipped trained drafter
@@ -35,13 +36,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from pyggml_dkv import DraftWeights  # noqa: E402
-from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, GGUFFile, LlamaTarget, OracleDrafter,  # noqa: E402
-                                        ReferenceDrafter, RemoteDrafter, SpeculativeGenerator, check_fits_gguf,
-                                        compare_to_plain, ggml_drafter, plain_greedy,
-                                        random_smollm2_weights, target_embeddings)
-from pyggml_dkv.hosts.llama_cpp.ngram import HybridDrafter  # noqa: E402
-from pyggml_dkv.hosts.pretrained import smollm2_drafter_path  # noqa: E402
-from pyggml_dkv.hosts.smollm2 import smollm2_gguf  # noqa: E402
+from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, GGUFFile, HybridDrafter, LlamaTarget,  # noqa: E402
+                                        OracleDrafter, ReferenceDrafter, RemoteDrafter, SpeculativeGenerator,
+                                        check_fits_gguf, compare_to_plain, ggml_drafter, plain_greedy,
+                                        random_smollm2_weights, smollm2_draft_config, smollm2_drafter_path,
+                                        smollm2_gguf, target_embeddings)
 
 NEAR_TIE = 0.5  # top-2 logit gap under which batch-shape rounding may flip the argmax (SmolLM2 Q4_1)
 
@@ -75,8 +74,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_drafter(args: argparse.Namespace, gguf: GGUFFile, reference_tokens: np.ndarray):
     """The drafter and a one-line description."""
     if args.drafter == "oracle":
-        from pyggml_dkv.hosts.llama_cpp import smollm2_draft_config
-
         cfg = smollm2_draft_config(**({"block_size": args.block_size} if args.block_size else {}))
         return OracleDrafter(cfg, int(gguf.arch_value("vocab_size")), reference_tokens, seed=args.seed), "oracle"
     if args.drafter == "random":

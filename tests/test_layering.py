@@ -3,7 +3,8 @@
 Layers, bottom up (docs/design.md, "Layers"): `common` < `ggml` < `model` < `reference`,
 `drafter` < `hosts`, `serving` < `training`, `serve`. Every import counts, at module level or deferred inside a
 function; only `if TYPE_CHECKING:` blocks (never run) are left out. The package's `__init__`
-is the facade that re-exports the public API lazily and may name any layer.
+is the facade that re-exports the public API lazily and may name any layer; `llama`
+(pyggml_dkv/llama.py) is the facade of the llama-cpp-python host's one-call entry point.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "serving": {"common", "ggml", "model", "drafter"},
     "training": {"common", "ggml", "model", "reference", "drafter", "hosts"},
     "serve": {"common", "ggml", "model", "drafter", "hosts", "serving"},  # the HTTP server: wires a host to the engine
+    "llama": {"hosts"},  # pyggml_dkv.llama: speculative_llama, re-exported from hosts.llama_cpp.speculative
 }
 
 
@@ -171,9 +173,12 @@ def test_reference_and_model_stand_alone_without_the_ggml_extension(layer):
 def test_every_error_the_package_raises_on_purpose_derives_from_the_base():
     import pyggml_dkv
     from pyggml_dkv.ggml import BackendUnavailableError, GGMLError
+    from pyggml_dkv.hosts.llama_cpp import HostClosedError, HostError, IncompatibleDrafterError
+    from pyggml_dkv.hosts.smollm2 import ModelUnavailableError
 
     for error in (pyggml_dkv.ConfigError, pyggml_dkv.WeightsError, pyggml_dkv.CheckpointError,
-                  pyggml_dkv.CheckpointNotFoundError, GGMLError, BackendUnavailableError):
+                  pyggml_dkv.CheckpointNotFoundError, GGMLError, BackendUnavailableError, HostError,
+                  HostClosedError, IncompatibleDrafterError, ModelUnavailableError):
         assert issubclass(error, pyggml_dkv.PyggmlDkvError), error
     assert issubclass(pyggml_dkv.ConfigError, ValueError) and issubclass(GGMLError, RuntimeError)
     assert issubclass(pyggml_dkv.CheckpointNotFoundError, FileNotFoundError)

@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from ..common.errors import PyggmlDkvError
 from ..model.config import DraftConfig
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FILE_SIZE = 98_362_432  # bytes, as listed in the wheel
 
 
-class ModelUnavailableError(RuntimeError):
+class ModelUnavailableError(PyggmlDkvError, RuntimeError):
     """The SmolLM2 GGUF is neither cached nor installed, and could not be downloaded."""
 
 

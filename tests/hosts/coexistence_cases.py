@@ -117,9 +117,9 @@ def ggml_answers(pyggml_dkv: Any, lowlevel: Any) -> dict[str, Any]:
     return {
         "ggml_version": ffi.string(lib.ggml_version()).decode(),
         "type_names": types,
-        "bf16_attention_supported": pyggml_dkv.bf16_attention_supported(),
-        "backends": [(b.name, b.available) for b in pyggml_dkv.available_backends()],
-        "devices": [(d["name"], d["registry"]) for d in pyggml_dkv.list_devices()],
+        "bf16_attention_supported": pyggml_dkv.ggml.capabilities.bf16_attention_supported(),
+        "backends": [(b.name, b.available) for b in pyggml_dkv.ggml.available_backends()],
+        "devices": [(d["name"], d["registry"]) for d in pyggml_dkv.ggml.list_devices()],
     }
 
 

@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
 
-from pyggml_dkv.hosts.llama_cpp import SMOLLM2_LAYER_IDS, HostError, LlamaTarget  # noqa: E402
+from pyggml_dkv.hosts.llama_cpp import HostError, LlamaTarget  # noqa: E402
+from pyggml_dkv.hosts.smollm2 import SMOLLM2_LAYER_IDS  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp.batched_target import BatchedLlamaTarget, Block  # noqa: E402
 
 from tests.hosts.hosts_helpers import PROMPTS, THREADS, smollm2_path  # noqa: E402

@@ -7,9 +7,10 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
 
-from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, GGUFError, GGUFFile, HostClosedError,  # noqa: E402
+from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, GGUFFile, HostClosedError,  # noqa: E402
                                         HostError, IncompatibleDrafterError, LlamaTarget, OracleDrafter,
                                         SpeculativeGenerator, check_fits_gguf, smollm2_draft_config)
+from pyggml_dkv.hosts.llama_cpp.gguf import GGUFError  # noqa: E402
 
 from tests.hosts.hosts_helpers import THREADS, smollm2_path  # noqa: E402
 

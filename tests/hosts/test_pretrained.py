@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pyggml_dkv import DraftWeights
-from pyggml_dkv.hosts.llama_cpp import SMOLLM2_LAYER_IDS
+from pyggml_dkv.hosts.smollm2 import SMOLLM2_LAYER_IDS
 from pyggml_dkv.hosts.pretrained import smollm2_drafter_path
 
 pytest.importorskip("gguf", reason="reading GGUF needs the gguf package")

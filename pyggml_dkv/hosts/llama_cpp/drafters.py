@@ -99,12 +99,13 @@ def target_embeddings(gguf: GGUFFile) -> tuple[np.ndarray, np.ndarray]:
     return embed, head
 
 
-def ggml_drafter(weights: DraftWeights, gguf_path: str, **drafter_kwargs: Any) -> Any:
-    """A `pyggml_dkv.Drafter` for the target in `gguf_path` (its token embedding and lm_head).
-    Runs on our private ggml, beside llama.cpp's in the same process."""
+def ggml_drafter(weights: DraftWeights, gguf_path: str | GGUFFile, **drafter_kwargs: Any) -> Any:
+    """A `pyggml_dkv.Drafter` for the target in `gguf_path` (its token embedding and lm_head; an
+    open GGUFFile saves reading the file's metadata again). Runs on our private ggml, beside
+    llama.cpp's in the same process."""
     from ...drafter.drafter import Drafter
 
-    gguf = GGUFFile(gguf_path)
+    gguf = gguf_path if isinstance(gguf_path, GGUFFile) else GGUFFile(gguf_path)
     embed, head = target_embeddings(gguf)
     check_fits_gguf(weights.cfg, head.shape[0], gguf)
     return Drafter(weights, embed_tokens=embed, lm_head=head, **drafter_kwargs)
