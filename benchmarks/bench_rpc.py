@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before ggml loads (see docs/hardening.md)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before ggml loads (see docs/rpc.md)
 
 import numpy as np  # noqa: E402
 

@@ -37,9 +37,8 @@ _LAZY_PUBLIC = {
 __all__ = ["Backend", "DraftConfig", "DraftKvCache", "DraftWeights", "Drafter", "FeatureRing", "OneShotDrafter",
            "PyggmlDkvError", "load_checkpoint", "load_gguf", "speculative_llama"]
 
-# Not public (not in __all__, not in dir()), importable from here only because code we do not own
-# here imports them from the package today (tests/, scripts/, docs/guide.md); new code imports them
-# from their defining modules. The model's error classes above stay importable too: all derive from
+# Not public (not in __all__, not in dir()), importable from here only because older tests and
+# scripts import them from the package; new code imports them from their defining modules. The model's error classes above stay importable too: all derive from
 # PyggmlDkvError.
 _LAZY_COMPAT = {
     "available_backends": "ggml",

@@ -13,7 +13,7 @@ import numpy as np
 from pyggml_dkv.serving.policy import (AcceptanceEstimate, CostModel, FixedPolicy, PolicyRequest, SpeedPolicy,
                                        expected_tokens, graph_lanes, round_cost)
 
-# SmolLM2-135M on 2 CPU cores (docs/guide.md): verifying k rows costs almost k decodes
+# SmolLM2-135M on 2 CPU cores (docs/llama-cpp.md, "Where drafting pays"): verifying k rows costs almost k decodes
 CPU = CostModel({1: 0.0058, 2: 0.0127, 4: 0.0184, 8: 0.0273, 16: 0.0442, 32: 0.09}, {1: 0.0033, 2: 0.004, 4: 0.005})
 # a memory-bound target: 32 rows cost 1.2 single decodes
 FLAT = CostModel({1: 0.010, 4: 0.0101, 8: 0.0103, 16: 0.0107, 32: 0.012}, {1: 0.002, 2: 0.002, 4: 0.0025})

@@ -5,7 +5,7 @@ The drafter's feature for target layer i is the OUTPUT of decoder layer i (HF
 `l_out-i` and also llama.cpp's INPUT of layer i + 1. Features of one token are the captured
 layers concatenated in `layer_ids` order: a row of `fc_in = len(layer_ids) * hidden`.
 
-Two routes, chosen by measurement (docs/guide.md, tests/hosts/test_capture.py):
+Two routes, chosen by measurement (docs/llama-cpp.md, "Capturing the target's features"; tests/hosts/test_capture.py):
 
 - `NativeCapture`: llama.cpp's own extraction for its native DFlash
   (`llama_set_embeddings_layer_inp(ctx, i + 1, true)`): llama.cpp copies the layer inputs of every

@@ -135,7 +135,7 @@ def llama_dflash_bench(gguf: str | Path, windows: list[int], *, fc_in: int, q_le
     `omp_wait_policy`: OMP_WAIT_POLICY for llama.cpp's process ("active" / "passive"), or None for
     OpenMP's default (spin a while, then sleep), whatever this process has. llama.cpp's ggml meets
     at `omp barrier` after every graph node, so PASSIVE (a futex sleep per node) slows its draft
-    step by ~1.35x (docs/guide.md, "llama.cpp's GGUF drafters"); its fastest setting is the default.
+    step by ~1.35x (docs/gguf-and-checkpoints.md, "Against llama.cpp's own drafter"); its fastest setting is the default.
     """
     if omp_wait_policy is not None and omp_wait_policy.lower() not in ("active", "passive"):
         raise ValueError(f"omp_wait_policy must be 'active', 'passive' or None, got {omp_wait_policy!r}")
