@@ -25,7 +25,7 @@ import numpy as np
 
 from ..common.checks import check_int, is_int, is_real
 from ..common.sampling import sampling_probs
-from ..model.backend_weights import BackendWeights
+from .backend_weights import BackendWeights
 from .cache import DraftKvCache
 from .features import FeatureRing
 from .selector_walk import greedy_walk, sampled_walk
@@ -208,15 +208,20 @@ class Drafter:
 
     def propose_lanes(self, last_tokens: Sequence[int | None], *, temperature: float | Sequence[float] = 0.0,
                       top_k: int | Sequence[int] = 0, top_p: float | Sequence[float] = 1.0,
-                      rng: np.random.Generator | None = None) -> list[Any]:
+                      rng: np.random.Generator | Sequence[np.random.Generator | None] | None = None) -> list[Any]:
         """Draft for every lane whose `last_tokens` entry is a token (None: idle) in one graph
         compute; returns one result per lane as propose() gives it (None for idle lanes). The
-        sampling settings are one for all lanes or one per lane."""
+        sampling settings, and the random generator sampled lanes draw from, are one for all
+        lanes or one per lane (a request's own generator: its draws then do not depend on the
+        other lanes')."""
         if isinstance(last_tokens, (str, bytes, np.ndarray)) or not isinstance(last_tokens, Sequence) \
                 or len(last_tokens) != self.lanes:
             raise ValueError(f"last_tokens must be a list of {self.lanes} entries (a token id, or None for an idle lane)")
         settings = {name: self._per_lane(name, value) for name, value in
-                    (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))}
+                    (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("rng", rng))}
+        if any(r is not None and not isinstance(r, np.random.Generator) for r in settings["rng"]):
+            raise ValueError("rng must be a numpy Generator, None, or one of those per lane")
+        rngs = [r if r is not None else np.random.default_rng() for r in settings["rng"]]
         active = [lane for lane, tok in enumerate(last_tokens) if tok is not None]
         if not active:
             raise ValueError("last_tokens has no token: every lane is idle")
@@ -235,7 +240,7 @@ class Drafter:
         if self.lanes == 1:
             rings, committed, tokens = rings[0], committed[0], tokens[0]  # type: ignore[assignment]
         if self.cfg.is_dflash2:
-            return self._propose_dflash2(rings, committed, tokens, active, greedy_ids, settings["temperature"], rng)
+            return self._propose_dflash2(rings, committed, tokens, active, greedy_ids, settings["temperature"], rngs)
         out = self.cache.step_tokens(rings, committed, tokens, output="ids" if greedy_ids else "logits")
         per_lane = out if self.lanes > 1 else [out]
         results: list[Any] = [None] * self.lanes
@@ -248,11 +253,11 @@ class Drafter:
                 results[lane] = confident_prefix(rows, self.p_min)
             else:
                 probs = sampling_probs(rows, t, settings["top_k"][lane], settings["top_p"][lane])
-                results[lane] = (sample_rows(probs, rng or np.random.default_rng()), probs)
+                results[lane] = (sample_rows(probs, rngs[lane]), probs)
         return results
 
     def _propose_dflash2(self, rings: Any, committed: Any, tokens: Any, active: list[int], greedy_ids: bool,
-                         temperatures: list[float], rng: np.random.Generator | None) -> list[Any]:
+                         temperatures: list[float], rngs: list[np.random.Generator]) -> list[Any]:
         """DFlash-2 drafts come from the candidate selector's walk (docs/dflash2.md): greedy ids
         from the graph's own walk; a p_min cut-off or a sampled path from the block's lattice.
         Sampling returns (ids, probs) with probs[i] the distribution over the vocabulary that id i
@@ -268,7 +273,7 @@ class Drafter:
             elif t == 0:
                 results[lane] = greedy_walk(per_lane[lane], self.p_min)
             else:
-                results[lane] = sampled_walk(per_lane[lane], t, self.vocab, rng or np.random.default_rng())
+                results[lane] = sampled_walk(per_lane[lane], t, self.vocab, rngs[lane])
         return results
 
     def _per_lane(self, name: str, value: Any) -> list[Any]:

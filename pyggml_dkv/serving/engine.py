@@ -129,8 +129,8 @@ class SpeculativeEngine:
     draft_max: most drafts per request and round (default block_size - 1). policy: SpeedPolicy()
     by default (FixedPolicy(k) forces k). cost_model: a CostModel to start from (another
     engine's), else measured at start-up when the policy needs one. prefill_chunk: most prompt
-    rows per round (default n_batch). seed: the drafter's sampling draws. reuse_prefix: a request
-    starts on the free sequence whose previous request's tokens share the longest prefix with its
+    rows per round (default n_batch). seed: the draws of requests that bring no seed of their
+    own. reuse_prefix: a request starts on the free sequence whose previous request's tokens share the longest prefix with its
     prompt and keeps those positions (the target's KV cells and the drafter lane's features), as
     llama-server's prompt cache does; False: every request starts from an empty sequence.
     give_up_rounds, explore_every: when a request stops speculating and when new ones start
@@ -386,7 +386,10 @@ class SpeculativeEngine:
                 continue
             slot, keep = self._pick_slot_locked(toks)
             p = handle.params
-            a = _Active(handle, toks, slot, np.random.default_rng(p.seed), frozenset(int(t) for t in p.stop_token_ids))
+            # a request's draws (its drafts' and the target's) come from its own generator: a seeded
+            # request gives the same tokens whatever else runs; unseeded ones follow the engine's seed
+            rng = np.random.default_rng(p.seed if p.seed is not None else int(self._rng.integers(2**63)))
+            a = _Active(handle, toks, slot, rng, frozenset(int(t) for t in p.stop_token_ids))
             a.speculative = self._starts_speculative()
             self._start_on_slot(a, keep)
             self._slots[slot] = a
@@ -587,12 +590,14 @@ class SpeculativeEngine:
         lanes = self.drafter.lanes
         tokens: list[int | None] = [None] * lanes
         temp, top_k, top_p = [0.0] * lanes, [0] * lanes, [1.0] * lanes
+        rngs: list[np.random.Generator | None] = [None] * lanes
         for a, k in zip(dec, ks):
             if k > 0:
                 tokens[a.slot] = a.last
                 temp[a.slot], top_k[a.slot], top_p[a.slot] = a.params.temperature, a.params.top_k, a.params.top_p
+                rngs[a.slot] = a.rng
         t0 = time.perf_counter()
-        out = self.drafter.propose_lanes(tokens, temperature=temp, top_k=top_k, top_p=top_p, rng=self._rng)
+        out = self.drafter.propose_lanes(tokens, temperature=temp, top_k=top_k, top_p=top_p, rng=rngs)
         dt = time.perf_counter() - t0
         self.stats.draft_steps += 1
         self.stats.draft_s += dt

@@ -276,3 +276,28 @@ def test_bad_requests_name_the_problem(cpu):
         ring.append(np.zeros((3, plain.fc_in), np.float32))
         with pytest.raises(GGMLError, match="needs a DFlash-2 drafter"):
             cache.step_tokens(ring, 3, np.zeros(plain.block_size, np.int32), output="lattice")
+
+
+def test_sampling_lanes_draw_from_their_own_generators(cpu):
+    """propose_lanes with one generator per lane: two lanes in the same state with equal seeds
+    draw the same path, whatever the other lane draws; a shared generator makes them differ."""
+    from pyggml_dkv import Drafter
+
+    cfg = dflash2_config(selector_top_k=8)
+    w = DraftWeights.random(cfg, seed=9)
+    embed, head = vocab_tables(cfg, 9)
+    feats = np.random.default_rng(9).standard_normal((12, cfg.fc_in)).astype(np.float32)
+    with Drafter(w, embed_tokens=embed, lm_head=head, backend=cpu, cap=32, lanes=2, weight_dtype="f32") as d:
+        for lane in (0, 1):
+            d.add_features(feats, lane=lane)
+
+        def draw(rng):
+            return [ids.tolist() for ids, _ in d.propose_lanes([7, 7], temperature=2.0, rng=rng)]
+
+        same = draw([np.random.default_rng(5), np.random.default_rng(5)])
+        assert same[0] == same[1]
+        assert draw([np.random.default_rng(5), np.random.default_rng(6)])[0] == same[0]
+        shared = draw(np.random.default_rng(5))
+        assert shared[0] == same[0] and shared[1] != shared[0]
+        with pytest.raises(ValueError, match="rng must be a numpy Generator"):
+            d.propose_lanes([7, 7], temperature=1.0, rng=[np.random.default_rng(1), 3])
