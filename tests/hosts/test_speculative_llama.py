@@ -50,10 +50,10 @@ def live_handles() -> dict[str, int]:
     return {k: v for k, v in live_objects().items() if v}
 
 
-def test_greedy_output_equals_plain_llama(llama_cpp) -> None:
-    path = str(smollm2_path())
-    # plain one-token greedy decoding (logits_all: the top-2 gap of every emitted token)
-    plain = llama_cpp.Llama(path, n_ctx=512, n_batch=64, n_threads=THREADS, n_threads_batch=THREADS,
+@pytest.fixture(scope="module")
+def plain_refs(llama_cpp):
+    """Plain one-token greedy decoding of every prompt (logits_all: the top-2 gap of every emitted token)."""
+    plain = llama_cpp.Llama(str(smollm2_path()), n_ctx=512, n_batch=64, n_threads=THREADS, n_threads_batch=THREADS,
                             logits_all=True, verbose=False)
     try:
         prompts = [plain.tokenize(chatml(p), add_bos=False, special=True) for p in PROMPTS]
@@ -67,8 +67,27 @@ def test_greedy_output_equals_plain_llama(llama_cpp) -> None:
             gaps.append(top2[:, 1] - top2[:, 0])
     finally:
         plain.close()
+    return prompts, refs, gaps
 
-    llm = speculative_llama(path, n_ctx=512, n_batch=64, n_threads=THREADS, verbose=False)
+
+@pytest.fixture(scope="module")
+def dflash2_gguf(tmp_path_factory) -> str:
+    """The shipped drafter lifted to DFlash-2 (tests/hosts/test_dflash2_host.py), as a GGUF file."""
+    from pyggml_dkv.model.gguf_write import save_gguf
+
+    from tests.hosts.test_dflash2_host import lifted_dflash2
+
+    path = tmp_path_factory.mktemp("dflash2") / "smollm2-dflash2.gguf"
+    save_gguf(lifted_dflash2(seed=2), path, dtype="q8_0", vocab_from=smollm2_path())
+    return str(path)
+
+
+@pytest.mark.parametrize("which", ["shipped", "dflash2"])
+def test_greedy_output_equals_plain_llama(llama_cpp, plain_refs, dflash2_gguf, which) -> None:
+    path = str(smollm2_path())
+    prompts, refs, gaps = plain_refs
+    drafter = None if which == "shipped" else dflash2_gguf
+    llm = speculative_llama(path, drafter=drafter, n_ctx=512, n_batch=64, n_threads=THREADS, verbose=False)
     try:
         adapter = llm.draft_model
         identical = []
