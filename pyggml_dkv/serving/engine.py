@@ -384,23 +384,26 @@ class SpeculativeEngine:
             handle, toks = self._waiting.popleft()
             if handle.done:
                 continue
-            slot, keep = self._pick_slot_locked(toks)
+            speculative = self._starts_speculative()
+            slot, keep = self._pick_slot_locked(toks, speculative)
             p = handle.params
             # a request's draws (its drafts' and the target's) come from its own generator: a seeded
             # request gives the same tokens whatever else runs; unseeded ones follow the engine's seed
             rng = np.random.default_rng(p.seed if p.seed is not None else int(self._rng.integers(2**63)))
             a = _Active(handle, toks, slot, rng, frozenset(int(t) for t in p.stop_token_ids))
-            a.speculative = self._starts_speculative()
+            a.speculative = speculative
             self._start_on_slot(a, keep)
             self._slots[slot] = a
             handle.stats.started_at = time.perf_counter()
             handle.stats.lane = slot
             log.debug("%s: %s joins on sequence/lane %d", self.name, handle.id, slot)
 
-    def _pick_slot_locked(self, prompt: np.ndarray) -> tuple[int, int]:
+    def _pick_slot_locked(self, prompt: np.ndarray, speculative: bool) -> tuple[int, int]:
         """The free slot for `prompt` and the positions it keeps: the longest common prefix with
         what a free slot holds (at most all but the prompt's last token, whose logits are needed),
-        the lowest free slot on a tie (lower lanes keep the drafter's graph small)."""
+        the lowest free slot on a tie (lower lanes keep the drafter's graph small). A speculative
+        request keeps a prefix only where the slot's lane holds its features too (a slot a plain
+        request left holds none): another slot that does saves it the prefill."""
         best, keep = -1, 0
         for slot, a in enumerate(self._slots):
             if a is not None:
@@ -411,6 +414,8 @@ class SpeculativeEngine:
                 m = min(held.size, prompt.size - 1)
                 diff = np.nonzero(held[:m] != prompt[:m])[0]
                 n = int(diff[0]) if diff.size else m
+                if n and speculative and not self.drafter.can_rewind(n, lane=slot):
+                    n = 0
             if best < 0 or n > keep:
                 best, keep = slot, n
         return best, keep

@@ -287,6 +287,26 @@ def test_a_prompt_that_continues_an_earlier_request_keeps_its_positions(
         assert sum(second.stats.accepted) > 0
 
 
+def test_a_speculative_request_takes_the_slot_that_holds_its_prefix_features(
+        target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two free slots hold the same prefix, the lower one from a plain request (no features in its
+    lane): a speculative request continuing that prefix starts on the other, keeping the prefix
+    (the lowest slot would have cost it the whole prefill)."""
+    starts = iter([False, True, True])
+    with SpeculativeEngine(target, drafter, policy=FixedPolicy(3)) as engine:
+        monkeypatch.setattr(engine, "_starts_speculative", lambda: next(starts))
+        handles = [engine.submit(prompts[0], greedy(8)) for _ in range(2)]
+        first_plain, first_spec = (h.result(timeout=120) for h in handles)
+        assert (first_plain.stats.lane, first_spec.stats.lane) == (0, 1)
+        assert not first_plain.stats.speculative and first_spec.stats.speculative
+        prompt = np.concatenate([prompts[0], first_spec.tokens, prompts[1]])
+        second = engine.submit(prompt, greedy()).result(timeout=120)
+    assert second.stats.lane == 1 and second.stats.speculative
+    assert second.stats.cached_tokens == prompts[0].size + first_spec.tokens.size - 1
+    check_plain(second, plain(prompt, MAX), MAX)
+
+
 def test_a_request_cancelled_in_its_prefill_leaves_a_usable_prefix(target: BatchedLlamaTarget, drafter: Any,
                                                                     prompts: list[np.ndarray], plain: Any) -> None:
     long_prompt = np.concatenate([prompts[0], prompts[1], prompts[2]])
