@@ -34,8 +34,19 @@ _LAZY_PUBLIC = {
     "speculative_llama": "llama",
 }
 
-__all__ = ["Backend", "DraftConfig", "DraftKvCache", "DraftWeights", "Drafter", "FeatureRing", "OneShotDrafter",
-           "PyggmlDkvError", "load_checkpoint", "load_gguf", "speculative_llama"]
+__all__ = [
+    "Backend",
+    "DraftConfig",
+    "DraftKvCache",
+    "DraftWeights",
+    "Drafter",
+    "FeatureRing",
+    "OneShotDrafter",
+    "PyggmlDkvError",
+    "load_checkpoint",
+    "load_gguf",
+    "speculative_llama",
+]
 
 # Not public (not in __all__, not in dir()), importable from here only because older tests and
 # scripts import them from the package; new code imports them from their defining modules. The model's error classes above stay importable too: all derive from
@@ -46,7 +57,7 @@ _LAZY_COMPAT = {
     "list_devices": "ggml",
     "live_objects": "ggml",
     "BackendUnavailableError": "ggml",
-    "BackendWeights": "model.backend_weights",
+    "BackendWeights": "drafter.backend_weights",
     "DraftKvState": "drafter.c_api",
     "draft_kv_init": "drafter.c_api",
     "draft_kv_reset": "drafter.c_api",

@@ -14,33 +14,117 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TOP = ["Backend", "DraftConfig", "DraftKvCache", "DraftWeights", "Drafter", "FeatureRing", "OneShotDrafter",
-       "PyggmlDkvError", "load_checkpoint", "load_gguf", "speculative_llama"]
-GGML = ["Backend", "BackendInfo", "BackendUnavailableError", "Buffer", "Context", "GGMLError", "Gallocr", "Graph",
-        "RemoteBackendError", "TYPES", "Tensor", "available_backends", "dequantize", "list_devices", "live_objects",
-        "quantize", "version"]
-LLAMA_CPP = ["DFlashLlamaDraftModel", "GGUFFile", "GenerationConfig", "GenerationResult", "HostClosedError", "HostError",
-             "HybridDrafter", "IncompatibleDrafterError", "LlamaTarget", "OracleDrafter", "ReferenceDrafter",
-             "RemoteDrafter", "SpeculativeGenerator", "check_fits_gguf", "compare_to_plain", "ggml_drafter",
-             "plain_greedy", "random_smollm2_weights", "smollm2_draft_config", "smollm2_drafter_path", "smollm2_gguf",
-             "target_embeddings"]
+TOP = [
+    "Backend",
+    "DraftConfig",
+    "DraftKvCache",
+    "DraftWeights",
+    "Drafter",
+    "FeatureRing",
+    "OneShotDrafter",
+    "PyggmlDkvError",
+    "load_checkpoint",
+    "load_gguf",
+    "speculative_llama",
+]
+GGML = [
+    "Backend",
+    "BackendInfo",
+    "BackendUnavailableError",
+    "Buffer",
+    "Context",
+    "GGMLError",
+    "Gallocr",
+    "Graph",
+    "RemoteBackendError",
+    "TYPES",
+    "Tensor",
+    "available_backends",
+    "dequantize",
+    "list_devices",
+    "live_objects",
+    "quantize",
+    "version",
+]
+LLAMA_CPP = [
+    "DFlashLlamaDraftModel",
+    "GGUFFile",
+    "GenerationConfig",
+    "GenerationResult",
+    "HostClosedError",
+    "HostError",
+    "HybridDrafter",
+    "IncompatibleDrafterError",
+    "LlamaTarget",
+    "OracleDrafter",
+    "ReferenceDrafter",
+    "RemoteDrafter",
+    "SpeculativeGenerator",
+    "check_fits_gguf",
+    "compare_to_plain",
+    "ggml_drafter",
+    "plain_greedy",
+    "random_smollm2_weights",
+    "smollm2_draft_config",
+    "smollm2_drafter_path",
+    "smollm2_gguf",
+    "target_embeddings",
+]
 LLAMA = ["speculative_llama"]
-PUBLIC = {"pyggml_dkv": TOP, "pyggml_dkv.ggml": GGML, "pyggml_dkv.hosts.llama_cpp": LLAMA_CPP, "pyggml_dkv.llama": LLAMA}
+PUBLIC = {
+    "pyggml_dkv": TOP,
+    "pyggml_dkv.ggml": GGML,
+    "pyggml_dkv.hosts.llama_cpp": LLAMA_CPP,
+    "pyggml_dkv.llama": LLAMA,
+}
 # names that resolve only with llama-cpp-python installed (their modules import llama_cpp)
 NEEDS_LLAMA_CPP = {"DFlashLlamaDraftModel", "LlamaTarget"}
 
 # not public, importable from the package only because modules outside the files of this change
 # import them from there (drafter/, model/, serving/, tests/, benchmarks/, scripts/, docs/)
 COMPAT = {
-    "pyggml_dkv": ["BackendUnavailableError", "BackendWeights", "CheckpointError", "CheckpointNotFoundError",
-                   "ConfigError", "DraftKvState", "WeightsError", "available_backends", "bf16_attention_supported",
-                   "draft_kv_begin_step", "draft_kv_free", "draft_kv_init", "draft_kv_reset", "list_devices",
-                   "live_objects"],
-    "pyggml_dkv.ggml": ["GGML_REPACK_TYPES", "TYPE_NAMES", "amx_available", "amx_fits", "bf16_attention_kernel",
-                        "bf16_attention_supported", "bf16_matmul_kernel", "bf16_products_on_fma", "built_backends",
-                        "built_with_patches", "cpu_extra_buffer_types", "cpu_features", "cpu_repack_fits",
-                        "cpu_repack_kernel", "cuda_graph_stats", "ffi", "ggml_repack_fits", "ggml_type",
-                        "half_matmul_avx2", "host_array", "lib", "vnni_available", "vnni_repack_fits"],
+    "pyggml_dkv": [
+        "BackendUnavailableError",
+        "BackendWeights",
+        "CheckpointError",
+        "CheckpointNotFoundError",
+        "ConfigError",
+        "DraftKvState",
+        "WeightsError",
+        "available_backends",
+        "bf16_attention_supported",
+        "draft_kv_begin_step",
+        "draft_kv_free",
+        "draft_kv_init",
+        "draft_kv_reset",
+        "list_devices",
+        "live_objects",
+    ],
+    "pyggml_dkv.ggml": [
+        "GGML_REPACK_TYPES",
+        "TYPE_NAMES",
+        "amx_available",
+        "amx_fits",
+        "bf16_attention_kernel",
+        "bf16_attention_supported",
+        "bf16_matmul_kernel",
+        "bf16_products_on_fma",
+        "built_backends",
+        "built_with_patches",
+        "cpu_extra_buffer_types",
+        "cpu_features",
+        "cpu_repack_fits",
+        "cpu_repack_kernel",
+        "cuda_graph_stats",
+        "ffi",
+        "ggml_repack_fits",
+        "ggml_type",
+        "half_matmul_avx2",
+        "host_array",
+        "lib",
+        "vnni_available",
+        "vnni_repack_fits",
+    ],
     "pyggml_dkv.hosts.llama_cpp": ["SMOLLM2_LAYER_IDS"],
 }
 
@@ -101,9 +185,15 @@ def run_python(code: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.mark.parametrize("statement", ["import pyggml_dkv", "from pyggml_dkv import DraftConfig, DraftWeights",
-                                       "from pyggml_dkv.llama import speculative_llama",
-                                       "import pyggml_dkv.hosts.llama_cpp"])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import pyggml_dkv",
+        "from pyggml_dkv import DraftConfig, DraftWeights",
+        "from pyggml_dkv.llama import speculative_llama",
+        "import pyggml_dkv.hosts.llama_cpp",
+    ],
+)
 def test_importing_the_package_is_cheap(statement):
     """Neither llama.cpp nor PyTorch, nor our compiled ggml, load until a name that needs them is used."""
     heavy = ("llama_cpp", "torch", "pyggml_dkv._ggml_cffi", "pyggml_dkv.ggml", "pyggml_dkv.drafter")
@@ -112,8 +202,10 @@ def test_importing_the_package_is_cheap(statement):
 
 
 def test_a_lazy_name_loads_its_module_on_first_use():
-    out = run_python("import sys, pyggml_dkv\nassert 'pyggml_dkv.drafter.drafter' not in sys.modules\n"
-                     "pyggml_dkv.Drafter\nprint('pyggml_dkv.drafter.drafter' in sys.modules, 'llama_cpp' in sys.modules)")
+    out = run_python(
+        "import sys, pyggml_dkv\nassert 'pyggml_dkv.drafter.drafter' not in sys.modules\n"
+        "pyggml_dkv.Drafter\nprint('pyggml_dkv.drafter.drafter' in sys.modules, 'llama_cpp' in sys.modules)"
+    )
     assert out == "True False"
 
 
@@ -142,8 +234,11 @@ def imported_names(path: Path) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
 def test_examples_import_public_names_only(example):
-    wrong = [f"{module}: {name}" for module, name in imported_names(example)
-             if module not in PUBLIC or (name and name not in PUBLIC[module])]
+    wrong = [
+        f"{module}: {name}"
+        for module, name in imported_names(example)
+        if module not in PUBLIC or (name and name not in PUBLIC[module])
+    ]
     assert not wrong, f"{example.name} imports names that are not public: {wrong}"
 
 
@@ -151,5 +246,5 @@ def test_the_quickstart_example_is_short():
     """speculative_llama's promise: llama-cpp-python with the drafter in about ten lines."""
     source = (ROOT / "examples" / "llama_cpp_quickstart.py").read_text()
     first = ast.parse(source).body[1].lineno  # after the docstring
-    code = [line for line in source.splitlines()[first - 1:] if line.strip() and not line.lstrip().startswith("#")]
+    code = [line for line in source.splitlines()[first - 1 :] if line.strip() and not line.lstrip().startswith("#")]
     assert len(code) <= 10, code

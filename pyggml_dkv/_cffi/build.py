@@ -86,7 +86,9 @@ def make_ffibuilder() -> FFI:
     source = "\n".join(f'#include "{h}"' for h in [*includes, "custom_ops.h"]) + "\n" + stamp_source()
     archives = [str(LIB_DIR / f"lib{name}.a") for name in libraries]
     # an ASan build of ggml (GGML_SANITIZE=address) instruments our own C too (the custom ops)
-    sanitize = ["-fsanitize=address", "-fno-omit-frame-pointer"] if "asan" in read_lines("variant")[0].split("-") else []
+    sanitize = (
+        ["-fsanitize=address", "-fno-omit-frame-pointer"] if "asan" in read_lines("variant")[0].split("-") else []
+    )
 
     ffibuilder = FFI()
     ffibuilder.cdef(cdefs)
@@ -97,9 +99,17 @@ def make_ffibuilder() -> FFI:
         include_dirs=[str(INCLUDE_DIR), str(HERE)],  # HERE: custom_ops.h
         extra_compile_args=sanitize,
         # relink whenever ggml was rebuilt, even when the generated C source is unchanged
-        depends=[*archives, str(LIBS / "link-args"), str(EXPORTS_MAP), *map(str, OP_SOURCES), str(HERE / "custom_ops.h")],
+        depends=[
+            *archives,
+            str(LIBS / "link-args"),
+            str(EXPORTS_MAP),
+            *map(str, OP_SOURCES),
+            str(HERE / "custom_ops.h"),
+        ],
         extra_link_args=[
-            "-Wl,--start-group", *archives, "-Wl,--end-group",
+            "-Wl,--start-group",
+            *archives,
+            "-Wl,--end-group",
             # ggml's symbols stay inside the extension: hidden, and only PyInit_* exported
             "-Wl,--exclude-libs,ALL",
             f"-Wl,--version-script={EXPORTS_MAP}",

@@ -46,16 +46,21 @@ def expected_build(libs_dir: Path = LIBS_DIR) -> BuildStamp:
     """What the package was built for, as build_ggml.sh recorded it in pyggml_dkv/_libs."""
     version = _read_lines(libs_dir / "version")
     variant = _read_lines(libs_dir / "variant")
-    return BuildStamp(version[0] if version else "(not recorded)", variant[0] if variant else "(not recorded)",
-                      tuple(_read_lines(libs_dir / "patches")))
+    return BuildStamp(
+        version[0] if version else "(not recorded)",
+        variant[0] if variant else "(not recorded)",
+        tuple(_read_lines(libs_dir / "patches")),
+    )
 
 
 def extension_build(ffi: Any, lib: Any) -> BuildStamp:
     """What the extension was compiled with (its baked-in stamp)."""
     patches = ffi.string(lib.pyggml_dkv_built_patches()).decode()
-    return BuildStamp(ffi.string(lib.pyggml_dkv_built_ggml_version()).decode(),
-                      ffi.string(lib.pyggml_dkv_built_variant()).decode(),
-                      tuple(p for p in patches.split(",") if p))
+    return BuildStamp(
+        ffi.string(lib.pyggml_dkv_built_ggml_version()).decode(),
+        ffi.string(lib.pyggml_dkv_built_variant()).decode(),
+        tuple(p for p in patches.split(",") if p),
+    )
 
 
 def check_extension(ffi: Any, lib: Any) -> BuildStamp:

@@ -24,10 +24,10 @@ from ..common.checks import check_choice, check_int, is_int
 from ..ggml import Backend, GGMLError, Graph, Tensor, host_array
 from ..ggml.delta import DeltaUpload
 from ..ggml.writer import TensorWriter
-from ..model.backend_weights import BackendWeights
 from ..model.config import DraftConfig
 from . import layers as L
 from .args import MAX_LANES, check_drafter_args, check_noise_embed, check_token_ids, vocab_matrix
+from .backend_weights import BackendWeights
 from .bulk_append import bulk_append, copy_lane_rows
 from .features import FeatureRing, check_window
 from .head_screen import LM_HEAD_SCREENS, HeadScreen
@@ -43,9 +43,20 @@ log = logging.getLogger(__name__)
 class DraftKvCache:
     """Context-KV ring cache + the once-built step graphs of a DFlash drafter."""
 
-    def __init__(self, weights: BackendWeights, backend: Backend, cap: int, lm_head: Any = None,
-                 cache_type: str = "f16", swa: str = "seed", embed_tokens: Any = None, attention: str = "f32",
-                 lm_head_dtype: str | None = None, lm_head_screen: str | None = None, lanes: int = 1) -> None:
+    def __init__(
+        self,
+        weights: BackendWeights,
+        backend: Backend,
+        cap: int,
+        lm_head: Any = None,
+        cache_type: str = "f16",
+        swa: str = "seed",
+        embed_tokens: Any = None,
+        attention: str = "f32",
+        lm_head_dtype: str | None = None,
+        lm_head_screen: str | None = None,
+        lanes: int = 1,
+    ) -> None:
         """`lanes`: requests drafted in one compute (docs/design.md, "Lanes"). With lanes > 1, `step`
         and `step_tokens` take a list with one entry per lane for `rings`, `committed` and the noise
         (None for an idle lane) and return a list of per-lane results (None for idle lanes);
@@ -85,16 +96,31 @@ class DraftKvCache:
         self.kv_total, self.mask_rows, self.fc_in = geo.kv_total, geo.mask_rows, cfg.fc_in
         # over RPC, masks whose context part is one row for all query rows travel as that row and
         # the device adds it to their base (drafter.masks); in local memory a whole upload is cheaper
-        masks = [StepMasks(geo.q_len, groups, cap, geo.kv_total, cap, self.any_full, self.any_swa, swa,
-                           cfg.swa_window, split=backend.kind == "rpc") for _ in range(lanes)]
+        masks = [
+            StepMasks(
+                geo.q_len,
+                groups,
+                cap,
+                geo.kv_total,
+                cap,
+                self.any_full,
+                self.any_swa,
+                swa,
+                cfg.swa_window,
+                split=backend.kind == "rpc",
+            )
+            for _ in range(lanes)
+        ]
         try:
             self.lm_head = self._vocab_matrix(lm_head, "lm_head", lm_head_dtype)
             self.head_screen = None
             if lm_head_screen is not None:
                 check_choice("lm_head_screen", lm_head_screen, LM_HEAD_SCREENS)
                 if cfg.is_dflash2:
-                    raise ValueError("lm_head_screen does not apply to a DFlash-2 drafter: its candidate "
-                                     "selector reads every row's top-k logits, so each step computes the full head")
+                    raise ValueError(
+                        "lm_head_screen does not apply to a DFlash-2 drafter: its candidate "
+                        "selector reads every row's top-k logits, so each step computes the full head"
+                    )
                 if self.lm_head is None:
                     raise ValueError(f"lm_head_screen={lm_head_screen!r} was given without an lm_head")
                 self.head_screen = self._own(HeadScreen(backend, self.lm_head, cfg))
@@ -102,8 +128,17 @@ class DraftKvCache:
             # a DFlash-2 step drafts by its selector's walk: that needs the anchor ids (token input)
             # and the logits
             self.selector = cfg.is_dflash2 and self.embed_tokens is not None and self.lm_head is not None
-            self.memory = self._own(CacheMemory(weights, backend, geo, cache_type, masks[0],
-                                                token_input=self.embed_tokens is not None, selector=self.selector))
+            self.memory = self._own(
+                CacheMemory(
+                    weights,
+                    backend,
+                    geo,
+                    cache_type,
+                    masks[0],
+                    token_input=self.embed_tokens is not None,
+                    selector=self.selector,
+                )
+            )
             # one graph per number of leading lanes and fold-in size (geometry.graph_keys), all over
             # the same memory; a step computes the smallest that takes its lanes and new rows, the
             # last (every lane, lanes * a_step rows) is `gf`. With a screen these yield the screened
@@ -116,7 +151,12 @@ class DraftKvCache:
             raise
         mem = self.memory
         self.k_cache, self.v_cache, self.mem_ctx, self.mem_buf = mem.k_cache, mem.v_cache, mem.ctx, mem.buf
-        self.inp_embed, self.inp_tokens, self.pos_q, self.noise_rows = mem.inp_embed, mem.inp_tokens, mem.pos_q, mem.noise_rows
+        self.inp_embed, self.inp_tokens, self.pos_q, self.noise_rows = (
+            mem.inp_embed,
+            mem.inp_tokens,
+            mem.pos_q,
+            mem.noise_rows,
+        )
         self.mask_full, self.mask_swa = mem.mask_full, mem.mask_swa
         # of the noise block typically only the first row changes (the mask token's embedding
         # repeats): over RPC only those bytes travel (the masks likewise, in StepInputs)
@@ -142,11 +182,26 @@ class DraftKvCache:
         log.debug("DraftKvCache %s: %d graph nodes", geo, self.n_nodes)
 
     def _build_graphs(self, head_screen: HeadScreen | None) -> dict[tuple[int, int], BuiltStepGraph]:
-        return {(n, rows): self._own(build_step_graph(self.weights, self.backend, self.memory, self.geometry,
-                                                      self.layer_swa, self.fold_gqa,
-                                                      self.attention == "bf16" and self.backend.is_cpu, self.lm_head,
-                                                      self.embed_tokens, self._fold_in_computed, n, rows, head_screen))
-                for n, rows in self.geometry.graph_keys()}
+        return {
+            (n, rows): self._own(
+                build_step_graph(
+                    self.weights,
+                    self.backend,
+                    self.memory,
+                    self.geometry,
+                    self.layer_swa,
+                    self.fold_gqa,
+                    self.attention == "bf16" and self.backend.is_cpu,
+                    self.lm_head,
+                    self.embed_tokens,
+                    self._fold_in_computed,
+                    n,
+                    rows,
+                    head_screen,
+                )
+            )
+            for n, rows in self.geometry.graph_keys()
+        }
 
     def _own(self, obj: Any) -> Any:
         self._owned.append(obj)
@@ -154,7 +209,7 @@ class DraftKvCache:
 
     def _vocab_matrix(self, matrix: Any, name: str, dtype: str | None = None) -> Any:
         tensor, buf = vocab_matrix(matrix, name, self.weights, self.backend, dtype)
-        if buf is not None:
+        if tensor is not None and buf is not None:  # (a buffer comes with its tensor)
             self._own(tensor.ctx)  # its metadata context too (closed after the buffer): nothing outlives close()
             self._own(buf)
         return tensor
@@ -206,7 +261,7 @@ class DraftKvCache:
             while self._owned:
                 self._owned.pop().close()
 
-    def __enter__(self) -> "DraftKvCache":
+    def __enter__(self) -> DraftKvCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -256,8 +311,13 @@ class DraftKvCache:
             state.forget_pending()
             target.slots.clear()
             if (state.slots.slot_pos >= 0).any():
-                copy_lane_rows(self.backend, [*self.k_cache, *self.v_cache], self.cap,
-                               int(src) * self.kv_total, int(dst) * self.kv_total)
+                copy_lane_rows(
+                    self.backend,
+                    [*self.k_cache, *self.v_cache],
+                    self.cap,
+                    int(src) * self.kv_total,
+                    int(dst) * self.kv_total,
+                )
             # the bookkeeping of the rows moves with them; dst's masks and noise inputs are its
             # own device planes (rewritten at its next step), so they stay
             self._lanes[int(dst)], self._lanes[int(src)] = state, LaneState(self.cap)
@@ -329,8 +389,9 @@ class DraftKvCache:
         new = slots.missing(lo, committed)
         if new.size > self.a_step:  # too many for the fold-in: temporary graphs
             try:
-                bulk_append(self.weights, self.backend, self.k_cache, self.v_cache, ring, new, self.cap,
-                            lane * self.kv_total)
+                bulk_append(
+                    self.weights, self.backend, self.k_cache, self.v_cache, ring, new, self.cap, lane * self.kv_total
+                )
             except BaseException:
                 slots.clear()
                 raise
@@ -368,8 +429,9 @@ class DraftKvCache:
         it is downloaded after the compute)."""
         built = (self.logit_graphs if logits else self.graphs)[self._bucket]
         tensor = getattr(built, output)
-        if not tensor.in_host_memory or (output == "draft_ids" and built.selector is not None):
-            # (a DFlash-2 walk writes its ids into the cache's memory, which must stay where it is)
+        if not tensor.in_host_memory or (output in ("draft_ids", "logits") and built.selector is not None):
+            # a DFlash-2 graph's selector reads the logits through views made when the graph was
+            # built, and its walk writes the ids into the cache's memory: neither tensor may move
             return tensor, None
         out = host_array(tensor.shape, tensor.numpy_dtype)
         tensor.place_in(out)
@@ -381,17 +443,25 @@ class DraftKvCache:
         screened one (its exact `draft_ids` only)."""
         self.next_graph(logits).compute(self.backend)
 
-    def _lane_args(self, rings: Any, committed: Any, noise: Any, noise_name: str) -> list[tuple[int, FeatureRing, int, Any]]:
+    def _lane_args(
+        self, rings: Any, committed: Any, noise: Any, noise_name: str
+    ) -> list[tuple[int, FeatureRing, int, Any]]:
         """The active lanes of a step as (lane, ring, committed, noise), every argument checked
         before any lane's state changes."""
         if self.lanes == 1:
             return [(0, rings, check_window(rings, committed, self.cap, self.fc_in), noise)]
         args = {"rings": rings, "committed": committed, noise_name: noise}
         for name, value in args.items():
-            if isinstance(value, (str, bytes, np.ndarray)) or not isinstance(value, Sequence) or len(value) != self.lanes:
-                raise ValueError(f"this cache has {self.lanes} lanes: {name} must be a list of {self.lanes} "
-                                 f"entries (None for an idle lane), got {type(value).__name__}"
-                                 + (f" of {len(value)}" if isinstance(value, Sequence) else ""))
+            if (
+                isinstance(value, (str, bytes, np.ndarray))
+                or not isinstance(value, Sequence)
+                or len(value) != self.lanes
+            ):
+                raise ValueError(
+                    f"this cache has {self.lanes} lanes: {name} must be a list of {self.lanes} "
+                    f"entries (None for an idle lane), got {type(value).__name__}"
+                    + (f" of {len(value)}" if isinstance(value, Sequence) else "")
+                )
         active = []
         for lane, (ring, pos, blk) in enumerate(zip(rings, committed, noise)):
             given = [ring is not None, pos is not None, blk is not None]
@@ -427,7 +497,7 @@ class DraftKvCache:
             return out
         per_lane: list[np.ndarray | None] = [None] * self.lanes
         for lane, *_ in active:
-            per_lane[lane] = out[lane * self.q_len:(lane + 1) * self.q_len]
+            per_lane[lane] = out[lane * self.q_len : (lane + 1) * self.q_len]
         return per_lane
 
     def _split_lattices(self, active: list[tuple[int, FeatureRing, int, Any]]) -> Any:
@@ -441,7 +511,7 @@ class DraftKvCache:
         for lane, *_ in active:
             scores = rest[lane].copy()
             scores[0] = first[lane, 0][None, :]  # position 1 follows the anchor, whatever the row
-            per_lane[lane] = SelectorLattice(candidates[lane * q + 1:(lane + 1) * q], scores)
+            per_lane[lane] = SelectorLattice(candidates[lane * q + 1 : (lane + 1) * q], scores)
         return per_lane if self.lanes > 1 else per_lane[0]
 
     def step(self, rings: Any, committed: Any, noise_embed: Any) -> Any:
@@ -455,7 +525,10 @@ class DraftKvCache:
             if self.inp_embed is None:
                 raise GGMLError("this cache takes token ids (it was built with embed_tokens): use step_tokens()")
             active = self._lane_args(rings, committed, noise_embed, "noise_embed")
-            checked = [(lane, ring, pos, check_noise_embed(blk, self.q_len, self.cfg.hidden)) for lane, ring, pos, blk in active]
+            checked = [
+                (lane, ring, pos, check_noise_embed(blk, self.q_len, self.cfg.hidden))
+                for lane, ring, pos, blk in active
+            ]
             self._begin_lanes(checked, self._embed_uploads, "upload")
             tensor, out = self._output_in_new_array("hidden_states" if self.lm_head is None else "logits", logits=True)
             self.compute(logits=True)
@@ -500,6 +573,7 @@ class DraftKvCache:
                 if bad.size:  # the screened argmax marks rows it has no id for (ggml/ops_screen.py)
                     if (out[bad] == -2).any():
                         raise MemoryError("the screened argmax could not allocate its scratch memory: no draft ids")
-                    raise FloatingPointError(f"the drafter's hidden states at noise rows {bad.tolist()} "
-                                             "are not finite: no draft ids")
+                    raise FloatingPointError(
+                        f"the drafter's hidden states at noise rows {bad.tolist()} are not finite: no draft ids"
+                    )
             return self._split_lanes(out, checked)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ggml import Context, Graph, Tensor
-from ..model.backend_weights import Matrices
+from .backend_weights import Matrices
 
 ATTENTION_CONV = "attention_conv"
 MLP_CONV = "mlp_conv"
@@ -36,8 +36,17 @@ def conv_deltas(g: Context, w: Matrices, layer: int, sublayer: str, normed: Tens
     return g.mul_mat(w.layer(layer, f"{sublayer}.kernel_projection.weight"), normed)
 
 
-def dynamic_conv(g: Context, w: Matrices, layer: int, sublayer: str, x: Tensor, deltas: Tensor, side: int,
-                 lanes: int, custom_op: bool) -> Tensor:
+def dynamic_conv(
+    g: Context,
+    w: Matrices,
+    layer: int,
+    sublayer: str,
+    x: Tensor,
+    deltas: Tensor,
+    side: int,
+    lanes: int,
+    custom_op: bool,
+) -> Tensor:
     """One side of a sublayer's convolution over x [H, block * lanes]:
 
         out[c, i] = sum_t (base[side, t, c] + deltas[i, side, t, c // g]) * x[c, i - t]
@@ -58,16 +67,18 @@ def dynamic_conv(g: Context, w: Matrices, layer: int, sublayer: str, x: Tensor, 
     # each row's tap weights [H, K, rows]: its offsets repeated over their group's channels, + base
     f32 = deltas.nb[0]
     offsets = g.view(deltas, (1, groups, kernel, rows), (f32, groups * f32, deltas.nb[1]), side * kernel * groups * f32)
-    tap_weights = g.add(g.reshape(g.repeat(offsets, cfg.conv_group_size, groups, kernel, rows), hidden, kernel, rows),
-                        base_side)
+    tap_weights = g.add(
+        g.reshape(g.repeat(offsets, cfg.conv_group_size, groups, kernel, rows), hidden, kernel, rows), base_side
+    )
     # tap t of row i reads row i - t of its block: the block with taps - 1 zero rows on top,
     # seen from row taps - 1 - t
     blocks = g.reshape(x if x.is_contiguous else g.cont(x), hidden, block, lanes)
     padded = g.pad(blocks, (0, taps - 1)) if taps > 1 else blocks
     out = None
     for t in range(taps):
-        weight_t = g.view(tap_weights, (hidden, block, lanes), (tap_weights.nb[2], tap_weights.nb[2] * block),
-                          t * tap_weights.nb[1])
+        weight_t = g.view(
+            tap_weights, (hidden, block, lanes), (tap_weights.nb[2], tap_weights.nb[2] * block), t * tap_weights.nb[1]
+        )
         x_t = g.view(padded, (hidden, block, lanes), (padded.nb[1], padded.nb[2]), (taps - 1 - t) * padded.nb[1])
         term = g.mul(weight_t, x_t)
         out = term if out is None else g.add(out, term)
@@ -89,8 +100,9 @@ class SelectorOutputs:
     rest: Tensor
 
 
-def selector(g: Context, gf: Graph, w: Matrices, hidden: Tensor, logits: Tensor, tokens: Tensor, lanes: int,
-             walk_ids: Tensor) -> SelectorOutputs:
+def selector(
+    g: Context, gf: Graph, w: Matrices, hidden: Tensor, logits: Tensor, tokens: Tensor, lanes: int, walk_ids: Tensor
+) -> SelectorOutputs:
     """The candidate selector of every block and its greedy walk (docs/dflash2.md, section 2).
 
     hidden [H, rows] the final normed hidden states, logits [V, rows] the scaled, soft-capped
@@ -115,8 +127,10 @@ def selector(g: Context, gf: Graph, w: Matrices, hidden: Tensor, logits: Tensor,
 
     unary4 = g.reshape(unary, k, 1, block, lanes)
     # block row 1 follows the anchor
-    first = g.mul_mat(g.view(gated, (rank, k, lanes), (gated.nb[1], gated.nb[3]), gated.nb[2]),
-                      g.view(anchors, (rank, 1, lanes), (anchors.nb[1], anchors.nb[2])))
+    first = g.mul_mat(
+        g.view(gated, (rank, k, lanes), (gated.nb[1], gated.nb[3]), gated.nb[2]),
+        g.view(anchors, (rank, 1, lanes), (anchors.nb[1], anchors.nb[2])),
+    )
     first = g.add(first, g.view(unary, (k, 1, lanes), (unary.nb[1], unary.nb[2]), unary.nb[1]))
     # rows i >= 2 follow every candidate of row i - 1: [k (j), k (p), block - 1, lanes] at i - 1
     rest = g.mul_mat(block_rows(gated, 1, block - 1), block_rows(predecessors, 0, block - 1))
@@ -126,15 +140,16 @@ def selector(g: Context, gf: Graph, w: Matrices, hidden: Tensor, logits: Tensor,
         gf.expand(t)
 
     # the greedy walk: each row takes its best candidate after the previous pick (ties: the first)
-    scores = g.reshape(first, k, lanes)
+    scores = g.reshape(first, k, lanes)  # row 1's
     for i in range(1, block):
-        if i > 1:
-            row_scores = g.view(rest, (k, k, lanes), (rest.nb[1], rest.nb[3]), (i - 1) * rest.nb[2])
-            scores = g.reshape(g.get_rows(row_scores, pick), k, lanes)
         pick = g.reshape(g.argmax(scores), 1, lanes)
-        row_candidates = g.view(candidates, (1, k, lanes), (candidates.nb[0], block * candidates.nb[1]),
-                                i * candidates.nb[1])
+        row_candidates = g.view(
+            candidates, (1, k, lanes), (candidates.nb[0], block * candidates.nb[1]), i * candidates.nb[1]
+        )
         token = g.get_rows(row_candidates, pick)  # [1, 1, lanes]
         slot = g.view(walk_ids, (1, 1, lanes), (walk_ids.nb[0], block * walk_ids.nb[0]), i * walk_ids.nb[0])
         gf.expand(g.cpy(token, slot))
+        if i + 1 < block:  # row i + 1's scores: its candidates after this pick
+            row_scores = g.view(rest, (k, k, lanes), (rest.nb[1], rest.nb[3]), i * rest.nb[2])
+            scores = g.reshape(g.get_rows(row_scores, pick), k, lanes)
     return SelectorOutputs(candidates, first, rest)

@@ -11,10 +11,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..model.backend_weights import BackendWeights, Matrices
-from ..model.config import DraftConfig
 from ..ggml import Context, Tensor, lib
+from ..model.config import DraftConfig
 from . import dflash2_graph as D2
+from .backend_weights import BackendWeights, Matrices
 
 ROPE_NEOX = int(lib.GGML_ROPE_TYPE_NEOX)
 
@@ -33,8 +33,19 @@ def norm(g: Context, x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rope(g: Context, x: Tensor, pos: Tensor, cfg: DraftConfig) -> Tensor:
     """NEOX RoPE (with the config's YaRN args) of x [head_dim, heads, tokens] at i32 positions [tokens]."""
-    return g.rope_ext(x, pos, cfg.head_dim, ROPE_NEOX, cfg.n_ctx_orig, cfg.rope_theta, cfg.freq_scale,
-                      cfg.ext_factor, cfg.attn_factor, cfg.beta_fast, cfg.beta_slow)
+    return g.rope_ext(
+        x,
+        pos,
+        cfg.head_dim,
+        ROPE_NEOX,
+        cfg.n_ctx_orig,
+        cfg.rope_theta,
+        cfg.freq_scale,
+        cfg.ext_factor,
+        cfg.attn_factor,
+        cfg.beta_fast,
+        cfg.beta_slow,
+    )
 
 
 def fuse_features(g: Context, w: Matrices, feat: Tensor) -> Tensor:
@@ -74,7 +85,9 @@ def kv_heads_view(g: Context, cache: Tensor, cfg: DraftConfig, n_rows: int, lane
     head_bytes = cache.nb[0] * cfg.head_dim
     if lanes == 1:
         return g.view(cache, (cfg.head_dim, n_rows, cfg.n_head_kv), (cache.nb[1], head_bytes), 0)
-    return g.view(cache, (cfg.head_dim, n_rows, cfg.n_head_kv, lanes), (cache.nb[1], head_bytes, cache.nb[1] * n_rows), 0)
+    return g.view(
+        cache, (cfg.head_dim, n_rows, cfg.n_head_kv, lanes), (cache.nb[1], head_bytes, cache.nb[1] * n_rows), 0
+    )
 
 
 def group_size(cfg: DraftConfig) -> int:
@@ -93,8 +106,19 @@ def fold_gqa(cfg: DraftConfig, backend_is_cpu: bool) -> bool:
     return backend_is_cpu and group_size(cfg) > 1
 
 
-def attend(g: Context, w: BackendWeights, layer: int, q: Tensor, k_all: Tensor, v_all: Tensor,
-           mask: Tensor, fold: bool, bf16_products: bool = False, lanes: int = 1, lane_rows: int = 0) -> Tensor:
+def attend(
+    g: Context,
+    w: BackendWeights,
+    layer: int,
+    q: Tensor,
+    k_all: Tensor,
+    v_all: Tensor,
+    mask: Tensor | None,
+    fold: bool,
+    bf16_products: bool = False,
+    lanes: int = 1,
+    lane_rows: int = 0,
+) -> Tensor:
     """Flash attention of q [head_dim, n_head, q_len * lanes] over [head_dim*n_head_kv, rows] K/V, then o_proj.
 
     With `lanes` > 1 the query rows are `lanes` blocks of q_len, lane l's block attends only to
@@ -156,8 +180,15 @@ class Convolutions:
     lanes: int
     custom_op: bool
 
-    def around(self, g: Context, w: BackendWeights, layer: int, sublayer: str, normed: Tensor,
-               inner: Callable[[Tensor], Tensor]) -> Tensor:
+    def around(
+        self,
+        g: Context,
+        w: BackendWeights,
+        layer: int,
+        sublayer: str,
+        normed: Tensor,
+        inner: Callable[[Tensor], Tensor],
+    ) -> Tensor:
         """conv(inner(conv(normed, side 0)), side 1), both sides' taps from the un-convolved normed input."""
         deltas = D2.conv_deltas(g, w, layer, sublayer, normed)
         x = D2.dynamic_conv(g, w, layer, sublayer, normed, deltas, 0, self.lanes, self.custom_op)
@@ -191,8 +222,9 @@ def output_head(g: Context, w: BackendWeights, h: Tensor, lm_head: Tensor | None
     return Head(out, logits)
 
 
-def append_rows(g: Context, w: Matrices, k_caches: list[Tensor], v_caches: list[Tensor],
-                feat: Tensor, pos: Tensor, rows: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+def append_rows(
+    g: Context, w: Matrices, k_caches: list[Tensor], v_caches: list[Tensor], feat: Tensor, pos: Tensor, rows: Tensor
+) -> tuple[list[Tensor], list[Tensor]]:
     """Fold-in append: fuse feat [fc_in, n], write each layer's K/V of those rows into the caches at `rows`.
 
     Returns the caches as written (set_rows results): reading through them orders every read
@@ -216,10 +248,21 @@ def embed_tokens(g: Context, cfg: DraftConfig, table: Tensor, tokens: Tensor) ->
     return g.scale(h, cfg.input_embedding_scale) if cfg.input_embedding_scale != 1.0 else h
 
 
-def noise_forward(g: Context, w: BackendWeights, h: Tensor, pos_q: Tensor, kv_of_layer: KvOfLayer,
-                  masks: dict[bool, Tensor | None], layer_swa: list[bool], fold: bool,
-                  bf16_products: bool, lm_head: Tensor | None, lanes: int = 1, lane_rows: int = 0,
-                  convs: Convolutions | None = None) -> Head:
+def noise_forward(
+    g: Context,
+    w: BackendWeights,
+    h: Tensor,
+    pos_q: Tensor,
+    kv_of_layer: KvOfLayer,
+    masks: dict[bool, Tensor | None],
+    layer_swa: list[bool],
+    fold: bool,
+    bf16_products: bool,
+    lm_head: Tensor | None,
+    lanes: int = 1,
+    lane_rows: int = 0,
+    convs: Convolutions | None = None,
+) -> Head:
     """The drafter's forward of the noise block h [hidden, q_len * lanes] at positions pos_q.
 
     With `lanes` > 1, h holds one noise block per lane, one after another; every product runs over
@@ -243,7 +286,10 @@ def noise_forward(g: Context, w: BackendWeights, h: Tensor, pos_q: Tensor, kv_of
         hn = norm(g, h, w.layer(layer, "input_layernorm.weight"), cfg.rms_eps)
         h = g.add(h, convs.around(g, w, layer, D2.ATTENTION_CONV, hn, attention) if convs else attention(hn))
         hf = norm(g, h, w.layer(layer, "post_attention_layernorm.weight"), cfg.rms_eps)
-        ffn = convs.around(g, w, layer, D2.MLP_CONV, hf, lambda x, layer=layer: mlp(g, w, layer, x)) if convs \
-            else mlp(g, w, layer, hf)
+
+        def feed_forward(x: Tensor, layer: int = layer) -> Tensor:
+            return mlp(g, w, layer, x)
+
+        ffn = convs.around(g, w, layer, D2.MLP_CONV, hf, feed_forward) if convs else feed_forward(hf)
         h = g.add(h, ffn)
     return output_head(g, w, h, lm_head)

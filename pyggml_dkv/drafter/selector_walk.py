@@ -46,8 +46,9 @@ def greedy_walk(lattice: SelectorLattice, p_min: float = 0.0) -> np.ndarray:
     return np.array(ids, dtype=np.int64)
 
 
-def sampled_walk(lattice: SelectorLattice, temperature: float, vocab: int,
-                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def sampled_walk(
+    lattice: SelectorLattice, temperature: float, vocab: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """A path drawn at `temperature`: at each position j ~ q_i = softmax(S_i[pred] / T) over its
     k candidates. Returns (ids, probs) with probs[i] the distribution position i's id was drawn
     from, over the whole vocabulary (support C_i): what rejection sampling needs, since q_i

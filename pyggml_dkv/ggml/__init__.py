@@ -38,9 +38,23 @@ from .types import TYPES, dequantize, quantize
 # The public names: the objects of the example above, their errors, what backends and devices this
 # build and machine offer, and (de)quantization.
 __all__ = [
-    "Backend", "BackendInfo", "BackendUnavailableError", "Buffer", "Context", "GGMLError", "Gallocr", "Graph",
-    "RemoteBackendError", "TYPES", "Tensor", "available_backends", "dequantize", "list_devices", "live_objects",
-    "quantize", "version",
+    "Backend",
+    "BackendInfo",
+    "BackendUnavailableError",
+    "Buffer",
+    "Context",
+    "GGMLError",
+    "Gallocr",
+    "Graph",
+    "RemoteBackendError",
+    "TYPES",
+    "Tensor",
+    "available_backends",
+    "dequantize",
+    "list_devices",
+    "live_objects",
+    "quantize",
+    "version",
 ]
 
 # Not public: the raw cffi objects and the build / CPU probes, importable from here only because

@@ -7,14 +7,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._lowlevel import ffi, lib
-from .op_checks import check_type, F32, fail, OpBuilder
+from .op_checks import F32, OpBuilder, check_type, fail
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tensor import Tensor
 
 
 class ConvOps(OpBuilder):
-    def dynamic_conv(self, x: "Tensor", delta: "Tensor", base: "Tensor", block: int) -> "Tensor":
+    if TYPE_CHECKING:  # pragma: no cover
+
+        def reshape(self, a: Tensor, *ne: int) -> Tensor: ...  # LayoutOps', beside this mixin in Context
+
+    def dynamic_conv(self, x: Tensor, delta: Tensor, base: Tensor, block: int) -> Tensor:
         """out [H, rows] f32, rows = x's, in blocks of `block` rows that never see each other:
 
             out[c, i] = sum_{t < K, t <= i % block} (base[t, c] + delta[i, t, c // g]) * x[c, i - t]
@@ -43,8 +47,20 @@ class ConvOps(OpBuilder):
             fail(op, f"block must be a positive int dividing the {rows} rows, got {block!r}")
         self._reserve(None)
         args = ffi.new("struct ggml_tensor *[3]", [x.ptr, delta.ptr, base.ptr])
-        out = self._wrap(lib.ggml_custom_4d(self.handle, lib.GGML_TYPE_F32, hidden, block, rows // block, 1, args, 3,
-                                            ffi.addressof(lib, "pyggml_dkv_dynamic_conv"), lib.GGML_N_TASKS_MAX,
-                                            ffi.NULL))
+        out = self._wrap(
+            lib.ggml_custom_4d(
+                self.handle,
+                lib.GGML_TYPE_F32,
+                hidden,
+                block,
+                rows // block,
+                1,
+                args,
+                3,
+                ffi.addressof(lib, "pyggml_dkv_dynamic_conv"),
+                lib.GGML_N_TASKS_MAX,
+                ffi.NULL,
+            )
+        )
         out._ndim = 3
         return self.reshape(out, hidden, rows)

@@ -103,7 +103,7 @@ def _read_tensors(root: Path) -> tuple[dict[str, np.ndarray], str]:
 
 def _strip_model_prefix(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if tensors and all(k.startswith("model.") for k in tensors):
-        return {k[len("model."):]: v for k, v in tensors.items()}
+        return {k[len("model.") :]: v for k, v in tensors.items()}
     return tensors
 
 
@@ -122,9 +122,11 @@ def _codebook_names(tensors: dict[str, np.ndarray], source: str) -> dict[str, np
 def _describe_extra(cfg: DraftConfig, names: list[str]) -> str:
     d2 = [n for n in names if is_dflash2_tensor(n)]
     if d2 and not cfg.is_dflash2:
-        return (f"DFlash-2 tensor(s) {d2[:6]} in a checkpoint whose config.json is DFlash-1 (no "
-                "architectures [\"DFlash2DraftModel\"] / dflash_config conv_kernel_size, conv_group_size, "
-                "selector_rank, selector_top_k)")
+        return (
+            f"DFlash-2 tensor(s) {d2[:6]} in a checkpoint whose config.json is DFlash-1 (no "
+            'architectures ["DFlash2DraftModel"] / dflash_config conv_kernel_size, conv_group_size, '
+            "selector_rank, selector_top_k)"
+        )
     bias = [n for n in names if n.endswith(".bias")]
     if bias:
         return f"bias tensor(s) {bias[:6]} are not supported"
@@ -159,7 +161,9 @@ def read_checkpoint(path: str | Path) -> tuple[DraftConfig, dict[str, np.ndarray
     return cfg, tensors, source
 
 
-def write_checkpoint(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], path: str | Path, dtype: str = "float32") -> None:
+def write_checkpoint(
+    cfg: DraftConfig, tensors: Mapping[str, np.ndarray], path: str | Path, dtype: str = "float32"
+) -> None:
     """Write config.json + model.safetensors for `cfg` and its `tensors`."""
     dtype_name = save_dtype(dtype)[1]
     hf = config_to_hf(cfg, dtype_name)

@@ -117,8 +117,10 @@ class DraftConfig:
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"DraftConfig.{name} must be a finite number, got {value!r}")
         if self.final_logit_softcapping is not None and not (
-                isinstance(self.final_logit_softcapping, (int, float)) and math.isfinite(self.final_logit_softcapping)
-                and self.final_logit_softcapping > 0):
+            isinstance(self.final_logit_softcapping, (int, float))
+            and math.isfinite(self.final_logit_softcapping)
+            and self.final_logit_softcapping > 0
+        ):
             raise ConfigError(f"final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping!r}")
         if not isinstance(self.swa_window, int) or self.swa_window < 0:
             raise ConfigError(f"swa_window must be an int >= 0, got {self.swa_window!r}")
@@ -153,27 +155,32 @@ class DraftConfig:
             return
         unset = [name for name in DFLASH2_FIELDS if getattr(self, name) == 0]
         if unset:
-            raise ConfigError(f"DraftConfig.{unset[0]} is 0 while {set_} are set: a DFlash-2 drafter needs all of "
-                              f"{list(DFLASH2_FIELDS)} positive (all 0 for DFlash-1)")
+            raise ConfigError(
+                f"DraftConfig.{unset[0]} is 0 while {set_} are set: a DFlash-2 drafter needs all of "
+                f"{list(DFLASH2_FIELDS)} positive (all 0 for DFlash-1)"
+            )
         if self.hidden % self.conv_group_size:
             raise ConfigError(
-                f"DraftConfig.conv_group_size {self.conv_group_size} does not divide hidden {self.hidden}")
+                f"DraftConfig.conv_group_size {self.conv_group_size} does not divide hidden {self.hidden}"
+            )
         if self.vocab is None:
             raise ConfigError(
-                "DraftConfig.vocab must be set for DFlash-2 (the selector's codebooks have one row per token)")
+                "DraftConfig.vocab must be set for DFlash-2 (the selector's codebooks have one row per token)"
+            )
         if self.selector_top_k > self.vocab:
             raise ConfigError(f"DraftConfig.selector_top_k {self.selector_top_k} exceeds vocab {self.vocab}")
 
-    def replace(self, **changes: Any) -> "DraftConfig":
+    def replace(self, **changes: Any) -> DraftConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def toy(cls, **changes: Any) -> "DraftConfig":
+    def toy(cls, **changes: Any) -> DraftConfig:
         """The benchmark's `toy` shape: tiny, fast, for examples and tests."""
-        base = dict(hidden=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, ffn=512,
-                    block_size=16, n_target_layers=3)
+        base: dict[str, Any] = dict(
+            hidden=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, ffn=512, block_size=16, n_target_layers=3
+        )
         base.update(changes)
-        return cls(**base)  # type: ignore[arg-type]
+        return cls(**base)

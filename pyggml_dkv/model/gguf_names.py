@@ -97,8 +97,10 @@ REFUSED_TENSORS = (
     (r"^blk\.\d+\.(attn|ffn)_post_norm", "post-attention / post-FFN norms"),
     (r"rope_freqs", "learned rope frequency factors"),
     (r"^blk\.\d+\.attn_sinks", "attention sinks"),
-    (r"^hc_|^blk\.\d+\.hc_|attn_q_a|attn_q_b|attn_kv|attn_out_[ab]|_exps|_shexp|ffn_gate_inp|exp_probs",
-     "the DeepSeek-V4 DSpark backbone (hyper-connections, MLA, MoE)"),
+    (
+        r"^hc_|^blk\.\d+\.hc_|attn_q_a|attn_q_b|attn_kv|attn_out_[ab]|_exps|_shexp|ffn_gate_inp|exp_probs",
+        "the DeepSeek-V4 DSpark backbone (hyper-connections, MLA, MoE)",
+    ),
 )
 
 

@@ -7,7 +7,10 @@ the target's own GGUF, `vocab_from`) with `tokenizer.ggml.mask_token_id`, and th
 in gguf_names.py. `token_embd` / `output` are written when the weights carry them; without
 them llama.cpp borrows the target's at run time.
 
-Matrices are stored in `dtype` (quantized by ggml's own quantizer), norm vectors in f32.
+Matrices are stored in `dtype` (quantized by ggml's own quantizer), norm vectors in f32. The
+module imports without the compiled ggml, and writes f32 / f16 / bf16 files without it; the
+quantized types import ggml's quantizer when they are written (the `gguf` package has none for
+the k-quants).
 `dtype="q4_k_m"` writes llama.cpp's Q4_K_M mix instead, the form DFlash drafters are published in:
 q4_K, with q6_K for the output head and for the V projection and the MLP's down projection of the
 layers llama.cpp gives more bits (src/llama-quant.cpp, `use_more_bits`).
@@ -26,13 +29,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..common.bf16 import to_bf16_bits
-from ..ggml.types import quantize
 from .config import DraftConfig
 from .gguf_names import ARCH, DFLASH2_KEYS, TARGET_LAYER_OFFSET, GGUFError, gguf_name, key
 from .tensor_names import is_selector_codebook
@@ -112,6 +115,9 @@ def _tensor_bytes(name: str, arr: np.ndarray, dtype: str) -> tuple[np.ndarray, A
         return np.ascontiguousarray(arr, dtype=np.float16), None
     if dtype == "bf16":
         return to_bf16_bits(arr).view(np.uint8).reshape(arr.shape[0], -1), Q.BF16
+    # imported here: the one use of the compiled ggml in the model layer (docs/design.md, "Layers")
+    from ..ggml.types import quantize
+
     try:
         raw = quantize(dtype, arr)
     except ValueError as e:
@@ -123,9 +129,11 @@ def _check_dflash2_writable(cfg: DraftConfig, n_vocab: int) -> None:
     """What llama.cpp's loader would refuse in a DFlash-2 file that DraftConfig allows."""
     k = cfg.selector_top_k
     if cfg.hidden < k * (k + 1):
-        raise GGUFError(f"{key('selector_top_k')} = {k}: the selector's lattice would not fit in n_embd (llama.cpp packs "
-                        f"k + k*k = {k * (k + 1)} values per position into one {cfg.hidden}-wide hidden row and "
-                        "refuses the file)")
+        raise GGUFError(
+            f"{key('selector_top_k')} = {k}: the selector's lattice would not fit in n_embd (llama.cpp packs "
+            f"k + k*k = {k * (k + 1)} values per position into one {cfg.hidden}-wide hidden row and "
+            "refuses the file)"
+        )
     if k > n_vocab:
         raise GGUFError(f"{key('selector_top_k')} = {k} exceeds the target vocabulary of {n_vocab} tokens")
 
@@ -162,8 +170,9 @@ def matrix_type(name: str, dtype: str, n_layer: int) -> str:
     return "q4_k"
 
 
-def save_gguf(weights: "DraftWeights", path: str | Path, dtype: str = "f16",
-              vocab_from: str | Path | None = None) -> Path:
+def save_gguf(
+    weights: DraftWeights, path: str | Path, dtype: str = "f16", vocab_from: str | Path | None = None
+) -> Path:
     """Write `weights` as a dflash GGUF at `path` (a .gguf file, or a directory for model.gguf)."""
     from gguf import GGUFValueType, GGUFWriter
 
@@ -209,14 +218,23 @@ def save_gguf(weights: "DraftWeights", path: str | Path, dtype: str = "f16",
         for k, v in u32.items():
             w.add_uint32(k, int(v))
         w.add_float32(key("attention.layer_norm_rms_epsilon"), float(cfg.rms_eps))
+        adders: dict[str, Callable[[str, Any], None]] = {"f32": w.add_float32, "u32": w.add_uint32, "str": w.add_string}
         for k, (kind, v) in _rope_keys(cfg).items():
-            {"f32": w.add_float32, "u32": w.add_uint32, "str": w.add_string}[kind](k, v)
-        w.add_key_value(key("target_layers"), [i + TARGET_LAYER_OFFSET for i in cfg.target_layer_ids],
-                        GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+            adders[kind](k, v)
+        w.add_key_value(
+            key("target_layers"),
+            [i + TARGET_LAYER_OFFSET for i in cfg.target_layer_ids],
+            GGUFValueType.ARRAY,
+            sub_type=GGUFValueType.INT32,
+        )
         if cfg.any_swa:  # as llama.cpp's converter writes them (it runs them its own way, see gguf_read)
             w.add_uint32(key("attention.sliding_window"), cfg.swa_window)
-            w.add_key_value(key("attention.sliding_window_pattern"), [t == "sliding" for t in cfg.layer_types],
-                            GGUFValueType.ARRAY, sub_type=GGUFValueType.BOOL)
+            w.add_key_value(
+                key("attention.sliding_window_pattern"),
+                [t == "sliding" for t in cfg.layer_types],
+                GGUFValueType.ARRAY,
+                sub_type=GGUFValueType.BOOL,
+            )
         if cfg.output_multiplier != 1.0:
             w.add_float32(key("logit_scale"), float(cfg.output_multiplier))
         if cfg.final_logit_softcapping is not None:

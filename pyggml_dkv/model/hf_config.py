@@ -23,7 +23,6 @@ from .config import DFLASH2_FIELDS, ConfigError, DraftConfig
 from .errors import CheckpointError
 from .safetensors_io import save_dtype
 
-
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 DFLASH2_ARCHITECTURES = (DFLASH2_ARCHITECTURE,)
@@ -49,30 +48,91 @@ _DEFAULT_BLOCK_SIZE = 16  # dflash: int(_draft_value(config, "block_size", 16))
 # top-level keys that carry nothing this drafter's math depends on, or that are checked below
 _TOP_LEVEL_KEYS = {
     # PreTrainedConfig bookkeeping (transformers 4.x and 5.x)
-    "_name_or_path", "_attn_implementation", "_attn_implementation_autoset", "architectures", "auto_map",
-    "model_type", "transformers_version", "dtype",
-    "torch_dtype", "use_bfloat16", "chunk_size_feed_forward", "id2label", "label2id", "num_labels",
-    "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
-    "cross_attention_hidden_size", "output_attentions", "output_hidden_states", "return_dict",
-    "torchscript", "problem_type", "finetuning_task", "tokenizer_class", "prefix",
-    "task_specific_params", "tf_legacy_loss", "pruned_heads", "bos_token_id", "eos_token_id",
-    "pad_token_id", "sep_token_id", "decoder_start_token_id", "use_cache", "initializer_range",
-    "attention_dropout", "tie_word_embeddings", "max_position_embeddings", "max_window_layers",
+    "_name_or_path",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "architectures",
+    "auto_map",
+    "model_type",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "use_bfloat16",
+    "chunk_size_feed_forward",
+    "id2label",
+    "label2id",
+    "num_labels",
+    "is_encoder_decoder",
+    "is_decoder",
+    "add_cross_attention",
+    "tie_encoder_decoder",
+    "cross_attention_hidden_size",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "torchscript",
+    "problem_type",
+    "finetuning_task",
+    "tokenizer_class",
+    "prefix",
+    "task_specific_params",
+    "tf_legacy_loss",
+    "pruned_heads",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "use_cache",
+    "initializer_range",
+    "attention_dropout",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+    "max_window_layers",
     # Qwen3 structure
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "vocab_size",
-    "attention_bias", "mlp_bias", "layer_types", "use_sliding_window", "sliding_window",
-    "rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings",
-    "partial_rotary_factor", "is_causal",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "vocab_size",
+    "attention_bias",
+    "mlp_bias",
+    "layer_types",
+    "use_sliding_window",
+    "sliding_window",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "original_max_position_embeddings",
+    "partial_rotary_factor",
+    "is_causal",
     # dflash (read from dflash_config first, then here)
-    "dflash_config", "num_target_layers", "block_size", "mask_token_id", "target_layer_ids",
-    "output_multiplier", "final_logit_softcapping", "input_embedding_scale",
+    "dflash_config",
+    "num_target_layers",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "input_embedding_scale",
     # DFlash-2 (dflash_config first, then here)
     *DFLASH2_FIELDS,
 }
 _DFLASH_KEYS = {
-    "block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "output_multiplier",
-    "final_logit_softcapping", "input_embedding_scale", "causal", "attention_mode", "projector_type",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "num_target_layers",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "input_embedding_scale",
+    "causal",
+    "attention_mode",
+    "projector_type",
     *DFLASH2_FIELDS,
 }
 _HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
@@ -80,8 +140,17 @@ _ROPE_KEYS = {
     "default": {"rope_type", "type", "rope_theta"},
     "linear": {"rope_type", "type", "rope_theta", "factor"},
     "yarn": {
-        "rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "attention_factor",
-        "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate",
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
     },
 }
 
@@ -154,9 +223,14 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(rp) - _ROPE_KEYS[rope_type] - {"partial_rotary_factor"})
     if unknown:
         raise CheckpointError(f"unsupported {rope_type} rope parameter(s) {unknown}")
-    for where, prf in (("rope parameters", rp.get("partial_rotary_factor")), ("config", hf.get("partial_rotary_factor"))):
+    for where, prf in (
+        ("rope parameters", rp.get("partial_rotary_factor")),
+        ("config", hf.get("partial_rotary_factor")),
+    ):
         if prf is not None and float(prf) != 1.0:
-            raise CheckpointError(f"partial_rotary_factor {prf} in the {where} is not supported (rotary over the full head only)")
+            raise CheckpointError(
+                f"partial_rotary_factor {prf} in the {where} is not supported (rotary over the full head only)"
+            )
     theta = _float_value("rope_theta", rp["rope_theta"])
     out: dict[str, Any] = {"rope_theta": theta}
     if rope_type == "linear":
@@ -166,18 +240,22 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
         out["freq_scale"] = 1.0 / factor
     elif rope_type == "yarn":
         if rp.get("truncate", True) is not True:
-            raise CheckpointError("yarn rope with truncate=false is not supported (ggml floors/ceils the correction range)")
+            raise CheckpointError(
+                "yarn rope with truncate=false is not supported (ggml floors/ceils the correction range)"
+            )
         max_pos = hf.get("max_position_embeddings", _QWEN3_DEFAULTS["max_position_embeddings"])
         orig = rp.get("original_max_position_embeddings")
         if orig is None:  # transformers: top-level original_max_position_embeddings, else max_position_embeddings
             orig = hf.get("original_max_position_embeddings", max_pos)
         orig = _int_value("rope original_max_position_embeddings", orig)
-        factor = rp.get("factor")
-        if factor is None:
-            factor = _int_value("max_position_embeddings", max_pos) / orig
-        factor = _float_value("rope yarn factor", factor)
+        given = rp.get("factor")
+        if given is None:
+            given = _int_value("max_position_embeddings", max_pos) / orig
+        factor = _float_value("rope yarn factor", given)
         if factor <= 0 or orig <= 0:
-            raise CheckpointError(f"rope yarn factor and original_max_position_embeddings must be > 0, got {factor}, {orig}")
+            raise CheckpointError(
+                f"rope yarn factor and original_max_position_embeddings must be > 0, got {factor}, {orig}"
+            )
 
         def get_mscale(scale: float, mscale: float = 1.0) -> float:  # transformers' helper, verbatim
             if scale <= 1:
@@ -221,8 +299,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> DraftConfig:
             raise CheckpointError(f"architectures must be a non-empty list, got {archs!r}")
         other = [a for a in archs if a not in (ARCHITECTURE, DFLASH2_ARCHITECTURE)]
         if other:
-            raise CheckpointError(f"unsupported architecture(s) {other}; expected [{ARCHITECTURE!r}] "
-                                  f"or [{DFLASH2_ARCHITECTURE!r}]")
+            raise CheckpointError(
+                f"unsupported architecture(s) {other}; expected [{ARCHITECTURE!r}] or [{DFLASH2_ARCHITECTURE!r}]"
+            )
         if len(set(archs)) > 1:
             raise CheckpointError(f"architectures {archs} names both DFlash-1 and DFlash-2")
     unknown = sorted(set(dc) - _DFLASH_KEYS)
@@ -357,14 +436,18 @@ def _dflash2_from_hf(archs: Any, value: Callable[[str], Any]) -> dict[str, int]:
     found = {name: value(name) for name in DFLASH2_FIELDS if value(name) is not None}
     is_2 = isinstance(archs, list) and DFLASH2_ARCHITECTURE in archs
     if isinstance(archs, list) and not is_2 and found:
-        raise CheckpointError(f"DFlash-2 key(s) {sorted(found)} under architecture {ARCHITECTURE!r}: the dflash package "
-                              f"would build a DFlash-1 drafter and drop the DFlash-2 tensors (use {DFLASH2_ARCHITECTURE!r})")
+        raise CheckpointError(
+            f"DFlash-2 key(s) {sorted(found)} under architecture {ARCHITECTURE!r}: the dflash package "
+            f"would build a DFlash-1 drafter and drop the DFlash-2 tensors (use {DFLASH2_ARCHITECTURE!r})"
+        )
     if not found and not is_2:
         return {}
     missing = [name for name in DFLASH2_FIELDS if name not in found]
     if missing:
-        raise CheckpointError(f"DFlash-2 config without {missing} (dflash_config.{missing[0]}): "
-                              f"{DFLASH2_ARCHITECTURE} needs all of {list(DFLASH2_FIELDS)}")
+        raise CheckpointError(
+            f"DFlash-2 config without {missing} (dflash_config.{missing[0]}): "
+            f"{DFLASH2_ARCHITECTURE} needs all of {list(DFLASH2_FIELDS)}"
+        )
     out = {name: _int_value(f"dflash_config.{name}", v) for name, v in found.items()}
     bad = [name for name, v in out.items() if v <= 0]
     if bad:
@@ -377,7 +460,9 @@ def _rope_to_hf(cfg: DraftConfig) -> tuple[dict[str, Any], int | None]:
     rp: dict[str, Any] = {"rope_theta": float(cfg.rope_theta)}
     if cfg.ext_factor == 0.0:
         if cfg.attn_factor != 1.0:
-            raise CheckpointError(f"attn_factor {cfg.attn_factor} without YaRN (ext_factor 0) has no transformers equivalent")
+            raise CheckpointError(
+                f"attn_factor {cfg.attn_factor} without YaRN (ext_factor 0) has no transformers equivalent"
+            )
         if cfg.freq_scale == 1.0:
             rp["rope_type"] = "default"
         else:

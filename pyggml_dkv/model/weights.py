@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import DraftConfig
 from .checkpoint import read_checkpoint, write_checkpoint
+from .config import DraftConfig
 from .errors import CheckpointError, WeightsError
 from .gguf_names import GGUFError
 from .tensor_names import CONV_PROJECTION, expected_shapes, is_conv_base_kernel, is_norm, is_selector_codebook
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..drafter.backend_weights import BackendWeights
     from ..ggml import Backend
-    from .backend_weights import BackendWeights
     from .stored import StoredMatrix
 
 
@@ -35,6 +35,7 @@ def _vocab_matrix(cfg: DraftConfig, arr: np.ndarray | None, name: str) -> np.nda
     arr = np.ascontiguousarray(arr, dtype=np.float32)
     arr.flags.writeable = False
     return arr
+
 
 def _random_base_kernel(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     """A random DFlash-2 base kernel (2, K, H): tap 0 near 1 so a sublayer keeps its input's scale,
@@ -61,9 +62,15 @@ def _random_scale(name: str, shape: tuple[int, ...]) -> float:
 class DraftWeights(Mapping[str, np.ndarray]):
     """Host parameters of one drafter. A read-only mapping `name -> float32 array`."""
 
-    def __init__(self, cfg: DraftConfig, tensors: Mapping[str, np.ndarray], *,
-                 stored: Mapping[str, "StoredMatrix"] | None = None,
-                 embed_tokens: np.ndarray | None = None, lm_head: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DraftConfig,
+        tensors: Mapping[str, np.ndarray],
+        *,
+        stored: Mapping[str, StoredMatrix] | None = None,
+        embed_tokens: np.ndarray | None = None,
+        lm_head: np.ndarray | None = None,
+    ) -> None:
         """`stored`: matrices as their file stores them (e.g. a GGUF's quantized blocks), by the
         same names, plus "embed_tokens" / "lm_head"; `tensors` then holds their dequantized values.
         `embed_tokens` / `lm_head`: (vocab, hidden) matrices a file ships with the drafter."""
@@ -73,7 +80,9 @@ class DraftWeights(Mapping[str, np.ndarray]):
             raise WeightsError(f"missing tensor(s) for this config: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
         unexpected = sorted(set(tensors) - set(expected))
         if unexpected:
-            raise WeightsError(f"tensor(s) this drafter cannot run: {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
+            raise WeightsError(
+                f"tensor(s) this drafter cannot run: {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
+            )
         self.cfg = cfg
         self._tensors: dict[str, np.ndarray] = {}
         for name, shape in expected.items():
@@ -113,7 +122,7 @@ class DraftWeights(Mapping[str, np.ndarray]):
         return sum(a.size for a in self._tensors.values())
 
     @classmethod
-    def random(cls, cfg: DraftConfig, seed: int = 0) -> "DraftWeights":
+    def random(cls, cfg: DraftConfig, seed: int = 0) -> DraftWeights:
         """Random weights with O(1) activations; norm weights random too so tests exercise them."""
         rng = np.random.default_rng(seed)
         tensors = {}
@@ -128,22 +137,24 @@ class DraftWeights(Mapping[str, np.ndarray]):
         return cls(cfg, tensors)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "DraftWeights":
+    def from_pretrained(cls, path: str | Path) -> DraftWeights:
         """Load a DFlash drafter: a checkpoint directory (config.json + safetensors), or a
         llama.cpp dflash `.gguf` file (model/gguf_read.py)."""
         if str(path).endswith(".gguf"):
             return load_gguf(path)
         return load_checkpoint(path)
 
-    def save_pretrained(self, path: str | Path, dtype: str = "float32", format: str = "dflash",
-                        vocab_from: str | Path | None = None) -> Path | None:
+    def save_pretrained(
+        self, path: str | Path, dtype: str = "float32", format: str = "dflash", vocab_from: str | Path | None = None
+    ) -> Path | None:
         """Write config.json + model.safetensors in the `dflash` package's format, or with
         `format="gguf"` a llama.cpp dflash GGUF (`dtype` f32 / f16 / bf16 / q8_0 / q4_0 / q4_k /
         q5_k / q6_k, or q4_k_m: llama.cpp's Q4_K_M mix; `vocab_from`: the target's GGUF, whose
         tokenizer llama.cpp needs). A GGUF
         goes to `path` if it ends in .gguf, else to `path`/model.gguf; returns that file."""
         if format == "gguf":
-            # imported here: writing quantizes with ggml, and this module imports without it
+            # imported here: writing needs the `gguf` package (and ggml's quantizer for the
+            # quantized types), this module neither
             from .gguf_write import save_gguf
 
             return save_gguf(self, path, dtype=dtype, vocab_from=vocab_from)
@@ -152,11 +163,12 @@ class DraftWeights(Mapping[str, np.ndarray]):
         save_checkpoint(self, path, dtype=dtype)
         return None
 
-    def to_backend(self, backend: "Backend", dtype: str = "auto", repack: bool = True) -> "BackendWeights":
+    def to_backend(self, backend: Backend, dtype: str = "auto", repack: bool = True) -> BackendWeights:
         """Upload once to the backend. Matrices in `dtype`, norms stay f32 (see BackendWeights for `repack`)."""
-        # imported here, not at the top: the model layer must import without the compiled ggml
-        # extension (the numpy reference needs only configs and weights)
-        from .backend_weights import BackendWeights
+        # imported here, not at the top: the upload lives in the drafter layer, on ggml, and the
+        # model layer imports without the compiled ggml extension (the numpy reference needs only
+        # configs and weights); tests/test_layering.py lists this import as the model's one upward one
+        from ..drafter.backend_weights import BackendWeights
 
         return BackendWeights(self, backend, dtype, repack)
 
@@ -183,12 +195,13 @@ def save_checkpoint(weights: DraftWeights, path: str | Path, dtype: str = "float
 
 def load_gguf(path: str | Path) -> DraftWeights:
     """Load a llama.cpp dflash GGUF drafter (memory-mapped; quantized matrices kept as stored)."""
-    # imported here: the reader needs the `gguf` package and ggml's type sizes, this module neither
+    # imported here: the reader needs the `gguf` package, this module does not
     from .gguf_read import read_gguf
 
     parts = read_gguf(path)
     try:
-        return DraftWeights(parts.cfg, parts.tensors, stored=parts.stored,
-                            embed_tokens=parts.embed_tokens, lm_head=parts.lm_head)
+        return DraftWeights(
+            parts.cfg, parts.tensors, stored=parts.stored, embed_tokens=parts.embed_tokens, lm_head=parts.lm_head
+        )
     except WeightsError as e:
         raise GGUFError(f"{Path(path).name}: {e}") from e

@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from ..common.checks import is_int
 from ..model.config import LAYER_TYPES, DraftConfig
@@ -120,8 +121,8 @@ def _positions(name: str, pos: object, length: int | None = None) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def _dtype(dtype: object) -> np.dtype:
-    dt = np.dtype(dtype)  # type: ignore[arg-type]
+def _dtype(dtype: npt.DTypeLike) -> np.dtype:
+    dt = np.dtype(dtype)
     if dt.kind != "f":
         raise ValueError(f"dtype must be a floating-point type, got {dt}")
     return dt
@@ -188,7 +189,7 @@ def yarn_corr_dims(cfg: DraftConfig) -> tuple[float, float]:
 
     start = float(np.floor(corr_dim(cfg.beta_fast)))
     end = float(np.ceil(corr_dim(cfg.beta_slow)))
-    low = 0.0 if 0 > start else start  # MAX(0, start)
+    low = 0.0 if start < 0 else start  # MAX(0, start)
     high = float(n_dims - 1) if (n_dims - 1) < end else end  # MIN(n_dims - 1, end)
     return low, high
 
@@ -196,14 +197,14 @@ def yarn_corr_dims(cfg: DraftConfig) -> tuple[float, float]:
 def yarn_ramp(low: float, high: float, n_pairs: int) -> np.ndarray:
     """ggml's `rope_yarn_ramp` for pairs i = 0..n_pairs-1 (i = i0/2): 1 below `low`, 0 above `high`.
 
-        y = (i - low) / MAX(0.001, high - low);   ramp = 1 - MIN(1, MAX(0, y))
+    y = (i - low) / MAX(0.001, high - low);   ramp = 1 - MIN(1, MAX(0, y))
     """
     span = high - low
-    denom = 0.001 if 0.001 > span else span  # MAX(0.001f, high - low); NaN stays NaN
+    denom = 0.001 if span < 0.001 else span  # MAX(0.001f, high - low); NaN stays NaN
     with np.errstate(invalid="ignore"):
         y = (np.arange(n_pairs, dtype=np.float64) - low) / denom
-        clipped = np.where(0 > y, 0.0, y)  # MAX(0, y)
-        clipped = np.where(1 < clipped, 1.0, clipped)  # MIN(1, .)
+        clipped = np.where(y < 0, 0.0, y)  # MAX(0, y)
+        clipped = np.where(clipped > 1, 1.0, clipped)  # MIN(1, .)
     return 1.0 - clipped
 
 
@@ -365,12 +366,14 @@ def visibility(
         ctx_vis = np.broadcast_to(ctx_vis[None, :], (q_len, ctx.size))
         noise_vis = noise_pos <= q_pos  # causal
     elif swa == "per_row":  # dflash's _attention_mask for a causal sliding layer
+
         def windowed(k_pos: np.ndarray) -> np.ndarray:
             return (k_pos <= q_pos) & (q_pos - k_pos < cfg.swa_window)
 
         ctx_vis = windowed(ctx[None, :])
         noise_vis = windowed(noise_pos)
     else:  # "llama": llama.cpp's non-causal attention, keys dropped by llama_hparams::is_masked_swa
+
         def windowed(k_pos: np.ndarray) -> np.ndarray:
             return q_pos - k_pos < cfg.swa_window
 
@@ -419,8 +422,9 @@ def _noise_attention(
     return attn @ _layer_weight(w, layer, "self_attn.o_proj.weight", hn).T
 
 
-def _convolved(w: DraftWeights, layer: int, conv: str, normed: np.ndarray,
-               sublayer: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+def _convolved(
+    w: DraftWeights, layer: int, conv: str, normed: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray]
+) -> np.ndarray:
     """DFlash-2: `sublayer` wrapped in the layer's `conv` ("attention_conv" / "mlp_conv")
     convolutions over the noise block (all rows, one block), in normed's dtype."""
     dt = normed.dtype

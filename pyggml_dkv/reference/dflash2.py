@@ -66,9 +66,9 @@ SIDES = (0, 1)  # 0: convolve the sublayer input; 1: convolve the sublayer outpu
 
 
 def _positive_int(name: str, value: object) -> int:
-    if not is_int(value) or int(value) < 1:  # type: ignore[arg-type]
+    if not is_int(value) or int(value) < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)  # type: ignore[arg-type]
+    return int(value)
 
 
 def _array(name: str, x: object, ndim: int, *, allow_neg_inf: bool = False) -> np.ndarray:
@@ -100,9 +100,9 @@ def _ids(name: str, ids: object, ndim: int, vocab: int) -> np.ndarray:
 
 
 def _side(side: object) -> int:
-    if not is_int(side) or int(side) not in SIDES:  # type: ignore[arg-type]
+    if not is_int(side) or int(side) not in SIDES:
         raise ValueError(f"side must be 0 (sublayer input) or 1 (sublayer output), got {side!r}")
-    return int(side)  # type: ignore[arg-type]
+    return int(side)
 
 
 def _block_len(n_rows: int, block_len: object) -> int:
@@ -442,13 +442,22 @@ def selector_lattice(w: DraftWeights, out_hidden: np.ndarray, logits: np.ndarray
     hidden = _array("out_hidden", out_hidden, 2)
     logits = _array("logits", logits, 2, allow_neg_inf=True)
     if hidden.shape[1] != cfg.hidden or logits.shape[1] != cfg.vocab:
-        raise ValueError(f"out_hidden must be (n, H={cfg.hidden}) and logits (n, V={cfg.vocab}), "
-                         f"got {hidden.shape} and {logits.shape}")
+        raise ValueError(
+            f"out_hidden must be (n, H={cfg.hidden}) and logits (n, V={cfg.vocab}), "
+            f"got {hidden.shape} and {logits.shape}"
+        )
     rows = min(hidden.shape[0], cfg.block_size)
-    if not is_int(anchor) or not 0 <= int(anchor) < int(cfg.vocab or 0):  # type: ignore[arg-type]
+    if not is_int(anchor) or not 0 <= int(anchor) < int(cfg.vocab or 0):
         raise ValueError(f"anchor must be a token id in [0, {cfg.vocab}), got {anchor!r}")
-    return selector_scores(hidden[:rows], logits[:rows], int(anchor),  # type: ignore[arg-type]
-                           w[SELECTOR_HIDDEN], w[SELECTOR_PREDECESSOR], w[SELECTOR_SUCCESSOR], cfg.selector_top_k)
+    return selector_scores(
+        hidden[:rows],
+        logits[:rows],
+        int(anchor),
+        w[SELECTOR_HIDDEN],
+        w[SELECTOR_PREDECESSOR],
+        w[SELECTOR_SUCCESSOR],
+        cfg.selector_top_k,
+    )
 
 
 def draft_step_dflash2(
@@ -460,7 +469,7 @@ def draft_step_dflash2(
     anchor: int,
     lm_head: np.ndarray,
     *,
-    swa: "SwaMode" = "seed",
+    swa: SwaMode = "seed",
     p_min: float = 0.0,
     dtype: np.dtype | type = np.float64,
 ) -> tuple[Lattice, np.ndarray]:

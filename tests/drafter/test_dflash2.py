@@ -26,8 +26,21 @@ VOCAB = 320
 
 
 def dflash2_config(**changes) -> DraftConfig:
-    base = dict(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, ffn=256, block_size=8, n_target_layers=2,
-                vocab=VOCAB, conv_kernel_size=3, conv_group_size=16, selector_rank=32, selector_top_k=4)
+    base = dict(
+        hidden=128,
+        n_layer=2,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        ffn=256,
+        block_size=8,
+        n_target_layers=2,
+        vocab=VOCAB,
+        conv_kernel_size=3,
+        conv_group_size=16,
+        selector_rank=32,
+        selector_top_k=4,
+    )
     base.update(changes)
     return DraftConfig(**base)
 
@@ -132,8 +145,9 @@ def test_dynamic_conv_op_checks_its_inputs(cpu):
 # ---------------------------------------------------------------------------- the ring cache
 
 
-def run_dflash2_trajectory(cfg: DraftConfig, cap: int, cache_type: str, lanes: int, n_steps: int, seed: int,
-                           cpu, parity_log) -> None:
+def run_dflash2_trajectory(
+    cfg: DraftConfig, cap: int, cache_type: str, lanes: int, n_steps: int, seed: int, cpu, parity_log
+) -> None:
     """Each lane follows its own trajectory; every step's hidden states, lattice and greedy ids
     are checked against the reference, lane by lane."""
     rng = np.random.default_rng(seed)
@@ -145,14 +159,16 @@ def run_dflash2_trajectory(cfg: DraftConfig, cap: int, cache_type: str, lanes: i
     rings = [FeatureRing(cap + 3 * cfg.block_size, cfg.fc_in) for _ in range(lanes)]
     worst = {"hidden": 0.0, "lattice": 0.0}
     ids_checked = 0
-    with w.to_backend(cpu, "f32") as bw, DraftKvCache(bw, cpu, cap, lm_head=head, embed_tokens=embed,
-                                                      cache_type=cache_type, lanes=lanes) as cache:
+    with (
+        w.to_backend(cpu, "f32") as bw,
+        DraftKvCache(bw, cpu, cap, lm_head=head, embed_tokens=embed, cache_type=cache_type, lanes=lanes) as cache,
+    ):
         for step in range(n_steps):
             tokens, committed = [], []
             for lane in range(lanes):
                 c = commits[lane][step]
                 ring = rings[lane]
-                ring.write(min(ring.written, c), feats[lane][min(ring.written, c):c])
+                ring.write(min(ring.written, c), feats[lane][min(ring.written, c) : c])
                 t = np.full(cfg.block_size, cfg.mask_token_id, dtype=np.int32)
                 t[0] = rng.integers(0, VOCAB)
                 tokens.append(t)
@@ -165,8 +181,9 @@ def run_dflash2_trajectory(cfg: DraftConfig, cap: int, cache_type: str, lanes: i
             for lane in range(lanes):
                 noise = embed[tokens[lane]]
                 want_out = R.reference_step(w, feats[lane], committed[lane], cap, noise)
-                want_lattice, want_ids = R2.draft_step_dflash2(w, feats[lane], committed[lane], cap, noise,
-                                                               int(tokens[lane][0]), head)
+                want_lattice, want_ids = R2.draft_step_dflash2(
+                    w, feats[lane], committed[lane], cap, noise, int(tokens[lane][0]), head
+                )
                 e = relative_error(hidden[lane], want_out)
                 assert e <= tol, f"step {step} lane {lane}: hidden states differ by {e:.3e}"
                 worst["hidden"] = max(worst["hidden"], e)
@@ -174,7 +191,7 @@ def run_dflash2_trajectory(cfg: DraftConfig, cap: int, cache_type: str, lanes: i
                 # the graph's own walk is the host walk of its lattice, exactly
                 np.testing.assert_array_equal(ids[lane][1:], greedy_walk(lattices[lane]))
                 sure = near_tie_free_prefix(want_lattice, tol)
-                np.testing.assert_array_equal(ids[lane][1:1 + sure], want_ids[:sure])
+                np.testing.assert_array_equal(ids[lane][1 : 1 + sure], want_ids[:sure])
                 ids_checked += sure
     assert ids_checked > n_steps * lanes * (cfg.block_size - 1) // 2, "most draft ids were near-ties: a vacuous test"
     for what, error in worst.items():
@@ -183,7 +200,9 @@ def run_dflash2_trajectory(cfg: DraftConfig, cap: int, cache_type: str, lanes: i
 
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
 def test_ring_cache_matches_reference(cache_type, cpu, parity_log):
-    run_dflash2_trajectory(dflash2_config(), 37, cache_type, lanes=1, n_steps=25, seed=3, cpu=cpu, parity_log=parity_log)
+    run_dflash2_trajectory(
+        dflash2_config(), 37, cache_type, lanes=1, n_steps=25, seed=3, cpu=cpu, parity_log=parity_log
+    )
 
 
 def test_lanes_match_reference(cpu, parity_log):
@@ -239,7 +258,9 @@ def test_sampled_walk_distributions_match_reference():
     scores[0] = scores[0, 0]
     lattice = R2.Lattice(candidates=cands, scores=scores)
     for seed in range(20):
-        ids, probs = sampled_walk(SelectorLattice(cands, scores.astype(np.float32)), 0.8, vocab, np.random.default_rng(seed))
+        ids, probs = sampled_walk(
+            SelectorLattice(cands, scores.astype(np.float32)), 0.8, vocab, np.random.default_rng(seed)
+        )
         ref = R2.sample_path(lattice, 0.8, np.random.default_rng(seed))
         np.testing.assert_array_equal(ids, ref.tokens)
         np.testing.assert_allclose(probs, R2.draft_distribution(cands, ref.probs, vocab), atol=1e-6)
@@ -270,8 +291,10 @@ def test_bad_requests_name_the_problem(cpu):
         with DraftKvCache(bw, cpu, 32, lm_head=head) as cache:  # embeddings in: no anchor ids, no selector
             assert cache.graphs[cache.geometry.graph_keys()[-1]].selector is None
     plain = DraftConfig.toy(vocab=VOCAB)
-    with DraftWeights.random(plain).to_backend(cpu, "f32") as bw, \
-            DraftKvCache(bw, cpu, 32, lm_head=vocab_tables(plain, 0)[1], embed_tokens=vocab_tables(plain, 0)[0]) as cache:
+    with (
+        DraftWeights.random(plain).to_backend(cpu, "f32") as bw,
+        DraftKvCache(bw, cpu, 32, lm_head=vocab_tables(plain, 0)[1], embed_tokens=vocab_tables(plain, 0)[0]) as cache,
+    ):
         ring = FeatureRing(64, plain.fc_in)
         ring.append(np.zeros((3, plain.fc_in), np.float32))
         with pytest.raises(GGMLError, match="needs a DFlash-2 drafter"):
@@ -301,3 +324,30 @@ def test_sampling_lanes_draw_from_their_own_generators(cpu):
         assert shared[0] == same[0] and shared[1] != shared[0]
         with pytest.raises(ValueError, match="rng must be a numpy Generator"):
             d.propose_lanes([7, 7], temperature=1.0, rng=[np.random.default_rng(1), 3])
+
+
+def test_a_logits_step_leaves_the_selector_intact(cpu):
+    """Asking a DFlash-2 cache for logits, then for ids and lattices again: every step's lattice
+    and ids are still the reference's (the selector reads the logits where the graph put them)."""
+    cfg = dflash2_config()
+    w = DraftWeights.random(cfg, seed=6)
+    embed, head = vocab_tables(cfg, 6)
+    rng = np.random.default_rng(6)
+    feats = rng.standard_normal((30, cfg.fc_in)).astype(np.float32)
+    ring = FeatureRing(64, cfg.fc_in)
+    ring.append(feats[:20])
+    tokens = np.full(cfg.block_size, cfg.mask_token_id, dtype=np.int32)
+    tokens[0] = 17
+    with (
+        w.to_backend(cpu, "f32") as bw,
+        DraftKvCache(bw, cpu, 32, lm_head=head, embed_tokens=embed, cache_type="f32") as cache,
+    ):
+        want_lattice, want_ids = R2.draft_step_dflash2(w, feats, 20, 32, embed[tokens], 17, head)
+        logits = cache.step_tokens(ring, 20, tokens, output="logits")
+        want_logits = R.reference_step(w, feats, 20, 32, embed[tokens], lm_head=head)
+        assert relative_error(logits, want_logits) <= 1e-4
+        for _ in range(2):
+            assert_lattice_close(cache.step_tokens(ring, 20, tokens, output="lattice"), want_lattice, 1e-4)
+            ids = cache.step_tokens(ring, 20, tokens, output="ids")[1:]
+            np.testing.assert_array_equal(ids, want_ids)
+            cache.step_tokens(ring, 20, tokens, output="logits")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
-from pyggml_dkv.ggml._lowlevel import lib
 from pyggml_dkv.ggml import (
     Backend,
     Buffer,
@@ -15,7 +13,7 @@ from pyggml_dkv.ggml import (
     Graph,
     Tensor,
 )
-
+from pyggml_dkv.ggml._lowlevel import lib
 
 NEOX = int(lib.GGML_ROPE_TYPE_NEOX)
 RNG_SEED = 1234
@@ -44,8 +42,6 @@ def compute(backend: Backend, specs: list[tuple[str, np.ndarray]], build, graph_
                 graph.compute(backend)
                 results = [o.numpy() for o in outs]
     return results[0] if single else results
-
-
 
 
 def mul_mat_rows(backend: Backend, wt: Tensor, x: np.ndarray) -> np.ndarray:

@@ -5,19 +5,20 @@ recorded ggml build."""
 from __future__ import annotations
 
 import ctypes.util
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import pyggml_dkv
 import pyggml_dkv.ggml
 from pyggml_dkv._cffi import stamp as _stamp
 from pyggml_dkv._cffi.stamp import BuildStamp, check_extension, expected_build, extension_build
 from pyggml_dkv.ggml import _lowlevel
-
 from tests.child import run_in_child
 from tests.ggml.elf_dynsym import dynamic_symbols
+
+pytestmark = pytest.mark.slow  # child interpreters with a second ggml: the slow tier
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parent
@@ -52,8 +53,14 @@ def test_extension_exports_only_its_init_and_imports_no_ggml():
 
 def test_symbol_reader_sees_exports_of_a_real_library():
     """The reader is not blind: libc exports malloc, and the extension needs it from outside."""
-    libc = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                 if "/libc.so" in line or "/libc-" in line), None) or ctypes.util.find_library("c")
+    libc = next(
+        (
+            line.split()[-1]
+            for line in Path("/proc/self/maps").read_text().splitlines()
+            if "/libc.so" in line or "/libc-" in line
+        ),
+        None,
+    ) or ctypes.util.find_library("c")
     exported, _ = dynamic_symbols(Path(libc))
     assert {"malloc", "free"} <= exported
     _, undefined = dynamic_symbols(extension_path())
@@ -77,8 +84,11 @@ def test_extension_stamp_is_the_recorded_build_of_the_pin():
     assert built == expected_build()
     assert built.variant == (PACKAGE / "_libs" / "variant").read_text().strip()
     assert pyggml_dkv.ggml.built_with_patches() == built.patches
-    pin = dict(line.split("=", 1) for line in (ROOT / "vendor" / "ggml.pin").read_text().splitlines()
-               if "=" in line and not line.startswith("#"))
+    pin = dict(
+        line.split("=", 1)
+        for line in (ROOT / "vendor" / "ggml.pin").read_text().splitlines()
+        if "=" in line and not line.startswith("#")
+    )
     if built.patches:  # a pinned build (a GGML_SRC build applies no patches and has its own version)
         assert built.version == pin["GGML_VERSION"]
         assert built.patches == tuple(sorted(p.name for p in (ROOT / "vendor" / "patches").glob("*.patch")))

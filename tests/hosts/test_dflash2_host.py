@@ -17,13 +17,20 @@ import pytest
 pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
 
 from pyggml_dkv import DraftWeights  # noqa: E402
-from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, LlamaTarget, SpeculativeGenerator,  # noqa: E402
-                                        compare_to_plain, ggml_drafter, plain_greedy)
+from pyggml_dkv.hosts.llama_cpp import (  # noqa: E402
+    GenerationConfig,
+    LlamaTarget,
+    SpeculativeGenerator,
+    compare_to_plain,
+    ggml_drafter,
+    plain_greedy,
+)
 from pyggml_dkv.hosts.llama_cpp.sampling import sampling_probs  # noqa: E402
 from pyggml_dkv.hosts.pretrained import smollm2_drafter_path  # noqa: E402
 from pyggml_dkv.model.weights import load_gguf  # noqa: E402
-
 from tests.hosts.hosts_helpers import PROMPTS, THREADS, smollm2_path  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 NEAR_TIE = 0.5  # as tests/hosts/test_generate.py: batch-shape noise of this Q4_1 target
 N_NEW = 40
@@ -35,8 +42,9 @@ def lifted_dflash2(seed: int = 0, kernel: int = 3, group: int = 64, rank: int = 
     logits: enough to reorder close candidates."""
     w1 = load_gguf(smollm2_drafter_path())
     vocab = 49152
-    cfg = w1.cfg.replace(vocab=vocab, conv_kernel_size=kernel, conv_group_size=group, selector_rank=rank,
-                         selector_top_k=top_k)
+    cfg = w1.cfg.replace(
+        vocab=vocab, conv_kernel_size=kernel, conv_group_size=group, selector_rank=rank, selector_top_k=top_k
+    )
     rng = np.random.default_rng(seed)
     h, groups = cfg.hidden, cfg.hidden // group
     extra: dict[str, np.ndarray] = {}
@@ -45,9 +53,12 @@ def lifted_dflash2(seed: int = 0, kernel: int = 3, group: int = 64, rank: int = 
             base = (rng.standard_normal((2, kernel, h)) * 0.02).astype(np.float32)
             base[:, 0, :] = 1.0
             extra[f"layers.{layer}.{conv}.base_kernel"] = base
-            extra[f"layers.{layer}.{conv}.kernel_projection.weight"] = \
-                (rng.standard_normal((2 * kernel * groups, h)) * 0.002).astype(np.float32)
-    extra["candidate_selector.hidden_projection.weight"] = (rng.standard_normal((rank, h)) / np.sqrt(h)).astype(np.float32)
+            extra[f"layers.{layer}.{conv}.kernel_projection.weight"] = (
+                rng.standard_normal((2 * kernel * groups, h)) * 0.002
+            ).astype(np.float32)
+    extra["candidate_selector.hidden_projection.weight"] = (rng.standard_normal((rank, h)) / np.sqrt(h)).astype(
+        np.float32
+    )
     for book in ("predecessor_codebook", "successor_codebook"):
         extra[f"candidate_selector.{book}"] = (rng.standard_normal((vocab, rank)) * 0.15).astype(np.float32)
     return DraftWeights(cfg, {**dict(w1.items()), **extra}, stored=dict(w1.stored))
@@ -60,7 +71,9 @@ def weights() -> DraftWeights:
 
 @pytest.fixture(scope="module")
 def target(weights):
-    t = LlamaTarget(smollm2_path(), n_ctx=512, n_batch=64, n_threads=THREADS, capture_layers=weights.cfg.target_layer_ids)
+    t = LlamaTarget(
+        smollm2_path(), n_ctx=512, n_batch=64, n_threads=THREADS, capture_layers=weights.cfg.target_layer_ids
+    )
     yield t
     t.close()
 
@@ -72,8 +85,10 @@ def prompts(target):
 
 def test_greedy_generation_is_lossless_and_drafts_are_accepted(target, prompts, weights) -> None:
     dflash1 = load_gguf(smollm2_drafter_path())
-    with ggml_drafter(weights, str(smollm2_path()), cap=256) as drafter, \
-            ggml_drafter(dflash1, str(smollm2_path()), cap=256) as plain_drafter:
+    with (
+        ggml_drafter(weights, str(smollm2_path()), cap=256) as drafter,
+        ggml_drafter(dflash1, str(smollm2_path()), cap=256) as plain_drafter,
+    ):
         gen = SpeculativeGenerator(target, drafter)
         per_round, differ = [], 0
         for prompt in prompts:
@@ -105,8 +120,12 @@ def test_sampled_generation_follows_the_targets_distribution(target, prompts, we
     top_k, temperature = 4, 1.5  # a flat enough distribution that every candidate is seen often
     with ggml_drafter(weights, str(smollm2_path()), cap=256) as drafter:
         gen = SpeculativeGenerator(target, drafter)
-        results = [gen.generate(prompt, GenerationConfig(max_tokens=3, temperature=temperature, top_k=top_k,
-                                                         seed=i, stop_at_eog=False)) for i in range(240)]
+        results = [
+            gen.generate(
+                prompt, GenerationConfig(max_tokens=3, temperature=temperature, top_k=top_k, seed=i, stop_at_eog=False)
+            )
+            for i in range(240)
+        ]
     accepted = [r.stats.rounds[0].n_accepted for r in results if r.stats.rounds]
     assert 0 < sum(a > 0 for a in accepted) < len(accepted)  # both paths: drafts accepted and rejected
     first = Counter(int(r.tokens[0]) for r in results).most_common(1)[0][0]

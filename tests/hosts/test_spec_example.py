@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama_cpp_spec.py"
 QUICKSTART = EXAMPLE.with_name("llama_cpp_quickstart.py")
 

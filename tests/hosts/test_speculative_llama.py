@@ -16,8 +16,9 @@ import pytest
 from pyggml_dkv import PyggmlDkvError
 from pyggml_dkv.hosts.llama_cpp import HostClosedError, IncompatibleDrafterError, random_smollm2_weights
 from pyggml_dkv.llama import speculative_llama
-
 from tests.hosts.hosts_helpers import PROMPTS, THREADS, smollm2_path
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 N_NEW = 32
 NEAR_TIE = 0.5  # top-2 logit gap under which batch-shape rounding may flip the argmax (SmolLM2 Q4_1)
@@ -25,7 +26,9 @@ NEAR_TIE = 0.5  # top-2 logit gap under which batch-shape rounding may flip the 
 
 @pytest.fixture(scope="module")
 def llama_cpp():
-    return pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
+    return pytest.importorskip(
+        "llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')"
+    )
 
 
 def chatml(text: str) -> bytes:
@@ -53,14 +56,21 @@ def live_handles() -> dict[str, int]:
 @pytest.fixture(scope="module")
 def plain_refs(llama_cpp):
     """Plain one-token greedy decoding of every prompt (logits_all: the top-2 gap of every emitted token)."""
-    plain = llama_cpp.Llama(str(smollm2_path()), n_ctx=512, n_batch=64, n_threads=THREADS, n_threads_batch=THREADS,
-                            logits_all=True, verbose=False)
+    plain = llama_cpp.Llama(
+        str(smollm2_path()),
+        n_ctx=512,
+        n_batch=64,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        logits_all=True,
+        verbose=False,
+    )
     try:
         prompts = [plain.tokenize(chatml(p), add_bos=False, special=True) for p in PROMPTS]
         refs, gaps = [], []
         for prompt in prompts:
             ref = greedy_tokens(llama_cpp, plain, prompt, N_NEW)
-            rows = np.asarray(plain.scores[len(prompt) - 1:len(prompt) - 1 + len(ref)], dtype=np.float64)
+            rows = np.asarray(plain.scores[len(prompt) - 1 : len(prompt) - 1 + len(ref)], dtype=np.float64)
             assert (rows.argmax(axis=1) == ref).all()
             top2 = np.sort(rows, axis=1)[:, -2:]
             refs.append(np.array(ref))
@@ -74,7 +84,6 @@ def plain_refs(llama_cpp):
 def dflash2_gguf(tmp_path_factory) -> str:
     """The shipped drafter lifted to DFlash-2 (tests/hosts/test_dflash2_host.py), as a GGUF file."""
     from pyggml_dkv.model.gguf_write import save_gguf
-
     from tests.hosts.test_dflash2_host import lifted_dflash2
 
     path = tmp_path_factory.mktemp("dflash2") / "smollm2-dflash2.gguf"
@@ -99,8 +108,11 @@ def test_greedy_output_equals_plain_llama(llama_cpp, plain_refs, dflash2_gguf, w
             if diff.size:  # lossless up to batch-shape rounding: the first divergence must be a near-tie
                 at = int(diff[0])
                 assert gap[at] < NEAR_TIE, f"prompt {i}: diverges at token {at}, top-2 gap {gap[at]:.3f} is no near-tie"
-                warnings.warn(f"prompt {i}: agrees with plain greedy for {at} tokens, then diverges at a near-tie "
-                              f"(top-2 gap {gap[at]:.3f} < {NEAR_TIE}): batch-shape rounding, not a bug", stacklevel=1)
+                warnings.warn(
+                    f"prompt {i}: agrees with plain greedy for {at} tokens, then diverges at a near-tie "
+                    f"(top-2 gap {gap[at]:.3f} < {NEAR_TIE}): batch-shape rounding, not a bug",
+                    stacklevel=1,
+                )
                 continue
             assert got.size == ref.size, (got.size, ref.size)
             identical.append(i)
@@ -131,8 +143,16 @@ def test_the_drafter_is_freed_with_the_llama(llama_cpp) -> None:
     # the drafter named by its path this time, with the options
     from pyggml_dkv.hosts.llama_cpp import smollm2_drafter_path
 
-    llm = speculative_llama(path, smollm2_drafter_path(), draft_max=3, p_min=0.1, drafter_options={"cap": 128},
-                            n_ctx=256, n_threads=THREADS, verbose=False)
+    llm = speculative_llama(
+        path,
+        smollm2_drafter_path(),
+        draft_max=3,
+        p_min=0.1,
+        drafter_options={"cap": 128},
+        n_ctx=256,
+        n_threads=THREADS,
+        verbose=False,
+    )
     adapter = llm.draft_model
     assert adapter.draft_max == 3 and adapter.drafter.p_min == 0.1 and adapter.drafter.cache.cap == 128
     assert adapter.drafter.backend.n_threads == THREADS
@@ -183,22 +203,25 @@ def test_the_default_drafter_needs_a_smollm2_target(tmp_path) -> None:
         speculative_llama(path)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(model_path=123), TypeError, "model_path must be a path"),
-    (dict(model_path="/nonexistent/model.gguf"), FileNotFoundError, "model_path: no such GGUF file"),
-    (dict(drafter="/nonexistent/drafter.gguf"), FileNotFoundError, "drafter: no such"),
-    (dict(drafter=42), TypeError, "drafter must be None or 'default'"),
-    (dict(draft_max=0), ValueError, "draft_max must be a positive int"),
-    (dict(draft_max=2.5), ValueError, "draft_max must be a positive int"),
-    (dict(draft_max=True), ValueError, "draft_max must be a positive int"),
-    (dict(p_min=1.0), ValueError, r"p_min must be a number in \[0, 1\)"),
-    (dict(p_min="0.5"), ValueError, r"p_min must be a number in \[0, 1\)"),
-    (dict(n_threads=0), ValueError, r"n_threads must be an int in \[1, 512\]"),
-    (dict(drafter_options=[("cap", 64)]), TypeError, "drafter_options must be a mapping"),
-    (dict(draft_model=object()), TypeError, "draft_model: speculative_llama makes"),
-    (dict(logits_all=False), ValueError, "logits_all must be True"),
-    (dict(n_threads_batch=-1), ValueError, "n_threads_batch must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(model_path=123), TypeError, "model_path must be a path"),
+        (dict(model_path="/nonexistent/model.gguf"), FileNotFoundError, "model_path: no such GGUF file"),
+        (dict(drafter="/nonexistent/drafter.gguf"), FileNotFoundError, "drafter: no such"),
+        (dict(drafter=42), TypeError, "drafter must be None or 'default'"),
+        (dict(draft_max=0), ValueError, "draft_max must be a positive int"),
+        (dict(draft_max=2.5), ValueError, "draft_max must be a positive int"),
+        (dict(draft_max=True), ValueError, "draft_max must be a positive int"),
+        (dict(p_min=1.0), ValueError, r"p_min must be a number in \[0, 1\)"),
+        (dict(p_min="0.5"), ValueError, r"p_min must be a number in \[0, 1\)"),
+        (dict(n_threads=0), ValueError, r"n_threads must be an int in \[1, 512\]"),
+        (dict(drafter_options=[("cap", 64)]), TypeError, "drafter_options must be a mapping"),
+        (dict(draft_model=object()), TypeError, "draft_model: speculative_llama makes"),
+        (dict(logits_all=False), ValueError, "logits_all must be True"),
+        (dict(n_threads_batch=-1), ValueError, "n_threads_batch must be a positive int"),
+    ],
+)
 def test_bad_arguments_are_refused_before_anything_is_built(kwargs, error, match) -> None:
     kwargs = {"model_path": smollm2_path(), **kwargs}
     before = live_handles()
@@ -215,11 +238,14 @@ def test_p_min_goes_with_a_drafter_it_builds() -> None:
         speculative_llama(smollm2_path(), oracle, p_min=0.5)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(n_ctxx=512), "unknown llama_cpp.Llama argument.*n_ctxx"),
-    (dict(drafter_options={"bogus": 1}), "drafter_options: unknown or reserved Drafter argument.*bogus"),
-    (dict(drafter_options={"p_min": 0.5}), "drafter_options: unknown or reserved Drafter argument.*p_min"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(n_ctxx=512), "unknown llama_cpp.Llama argument.*n_ctxx"),
+        (dict(drafter_options={"bogus": 1}), "drafter_options: unknown or reserved Drafter argument.*bogus"),
+        (dict(drafter_options={"p_min": 0.5}), "drafter_options: unknown or reserved Drafter argument.*p_min"),
+    ],
+)
 def test_misspelt_llama_and_drafter_arguments_are_named(llama_cpp, kwargs, match) -> None:
     before = live_handles()
     with pytest.raises(TypeError, match=match):

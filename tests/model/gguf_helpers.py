@@ -23,9 +23,16 @@ def write_vocab_gguf(path: Path, n_vocab: int) -> Path:
     return path
 
 
-def copy_gguf(src: Path, dst: Path, *, set_keys: dict[str, tuple[Any, Any]] | None = None,
-              drop_keys: tuple[str, ...] = (), add_tensors: dict[str, np.ndarray] | None = None,
-              drop_tensors: tuple[str, ...] = (), arch: str | None = None) -> Path:
+def copy_gguf(
+    src: Path,
+    dst: Path,
+    *,
+    set_keys: dict[str, tuple[Any, Any]] | None = None,
+    drop_keys: tuple[str, ...] = (),
+    add_tensors: dict[str, np.ndarray] | None = None,
+    drop_tensors: tuple[str, ...] = (),
+    arch: str | None = None,
+) -> Path:
     """Copy a GGUF, setting keys (name -> (value, GGUFValueType)), dropping keys / tensors, adding
     tensors (f32, or f16 when the array given is float16)."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter

@@ -18,12 +18,21 @@ import pytest
 from pyggml_dkv.model import safetensors_io as S
 from pyggml_dkv.model.config import DFLASH2_FIELDS, DraftConfig
 from pyggml_dkv.model.errors import CheckpointError, ConfigError, WeightsError
-from pyggml_dkv.model.tensor_names import (SELECTOR_CODEBOOKS, dflash2_shapes, expected_shapes, is_conv_base_kernel,
-                                           is_dflash2_tensor, is_fold_in_matrix, is_norm, is_selector_codebook)
+from pyggml_dkv.model.tensor_names import (
+    SELECTOR_CODEBOOKS,
+    dflash2_shapes,
+    expected_shapes,
+    is_conv_base_kernel,
+    is_dflash2_tensor,
+    is_fold_in_matrix,
+    is_norm,
+    is_selector_codebook,
+)
 from pyggml_dkv.model.weights import DraftWeights, load_checkpoint
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGUFReader, GGUFValueType as T  # noqa: E402
+from gguf import GGUFReader  # noqa: E402
+from gguf import GGUFValueType as T  # noqa: E402
 
 from pyggml_dkv.model.gguf_names import GGUFError  # noqa: E402
 from pyggml_dkv.model.gguf_write import GGUF_DTYPES, codebook_type, matrix_type  # noqa: E402
@@ -49,10 +58,17 @@ def d2_weights(cfg: DraftConfig | None = None, seed: int = 0) -> DraftWeights:
     return DraftWeights(cfg, dict(w), embed_tokens=emb, lm_head=head)
 
 
-D2_LAYER_NAMES = ("attention_conv.base_kernel", "attention_conv.kernel_projection.weight",
-                  "mlp_conv.base_kernel", "mlp_conv.kernel_projection.weight")
-SELECTOR_NAMES = ("candidate_selector.hidden_projection.weight", "candidate_selector.predecessor_codebook",
-                  "candidate_selector.successor_codebook")
+D2_LAYER_NAMES = (
+    "attention_conv.base_kernel",
+    "attention_conv.kernel_projection.weight",
+    "mlp_conv.base_kernel",
+    "mlp_conv.kernel_projection.weight",
+)
+SELECTOR_NAMES = (
+    "candidate_selector.hidden_projection.weight",
+    "candidate_selector.predecessor_codebook",
+    "candidate_selector.successor_codebook",
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +79,9 @@ def vocab_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def d2_file(tmp_path_factory, vocab_file):
     w = d2_weights()
-    return w, w.save_pretrained(tmp_path_factory.mktemp("d2") / "d2.gguf", format="gguf", dtype="f32",
-                                vocab_from=vocab_file)
+    return w, w.save_pretrained(
+        tmp_path_factory.mktemp("d2") / "d2.gguf", format="gguf", dtype="f32", vocab_from=vocab_file
+    )
 
 
 # ------------------------------------------------------------------------------- config
@@ -82,15 +99,18 @@ def test_config_fields_and_properties():
     assert not cfg.replace(**{k: 0 for k in DFLASH2_FIELDS}).is_dflash2
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(selector_top_k=0), r"selector_top_k is 0 while"),
-    (dict(conv_kernel_size=0), r"conv_kernel_size is 0 while"),
-    (dict(selector_rank=-1), r"selector_rank must be an int >= 0"),
-    (dict(conv_group_size=2.0), r"conv_group_size must be an int >= 0"),
-    (dict(conv_group_size=48), r"conv_group_size 48 does not divide hidden 256"),
-    (dict(vocab=None, mask_token_id=0), r"vocab must be set for DFlash-2"),
-    (dict(selector_top_k=97), r"selector_top_k 97 exceeds vocab 96"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(selector_top_k=0), r"selector_top_k is 0 while"),
+        (dict(conv_kernel_size=0), r"conv_kernel_size is 0 while"),
+        (dict(selector_rank=-1), r"selector_rank must be an int >= 0"),
+        (dict(conv_group_size=2.0), r"conv_group_size must be an int >= 0"),
+        (dict(conv_group_size=48), r"conv_group_size 48 does not divide hidden 256"),
+        (dict(vocab=None, mask_token_id=0), r"vocab must be set for DFlash-2"),
+        (dict(selector_top_k=97), r"selector_top_k 97 exceeds vocab 96"),
+    ],
+)
 def test_config_refusals(changes, match):
     with pytest.raises(ConfigError, match=match):
         d2_cfg(**changes)
@@ -108,9 +128,13 @@ def test_expected_shapes_add_exactly_the_dflash2_tensors():
         for conv in ("attention_conv", "mlp_conv"):
             want[f"layers.{i}.{conv}.base_kernel"] = (2, 3, 256)
             want[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * 3 * 8, 256)
-    want.update({"candidate_selector.hidden_projection.weight": (32, 256),
-                 "candidate_selector.predecessor_codebook": (N_VOCAB, 32),
-                 "candidate_selector.successor_codebook": (N_VOCAB, 32)})
+    want.update(
+        {
+            "candidate_selector.hidden_projection.weight": (32, 256),
+            "candidate_selector.predecessor_codebook": (N_VOCAB, 32),
+            "candidate_selector.successor_codebook": (N_VOCAB, 32),
+        }
+    )
     assert added == want == dflash2_shapes(cfg)
     assert set(expected_shapes(one)) <= set(expected_shapes(cfg))
     assert dflash2_shapes(one) == {}
@@ -131,12 +155,12 @@ def test_random_weights_make_the_conv_and_the_selector_matter():
     cfg = d2_cfg(vocab=4000, conv_kernel_size=4, selector_rank=64)
     w = DraftWeights.random(cfg, seed=3)
     base = w["layers.0.attention_conv.base_kernel"]
-    assert 0.8 <= base[:, 0].min() and base[:, 0].max() <= 1.2
+    assert base[:, 0].min() >= 0.8 and base[:, 0].max() <= 1.2
     assert 0.15 < base[:, 1:].std() < 0.25
     proj = w["layers.1.mlp_conv.kernel_projection.weight"]
     assert proj.std() == pytest.approx(0.5 / np.sqrt(256), rel=0.05)
     book = w["candidate_selector.successor_codebook"]
-    assert book.std() == pytest.approx(64 ** -0.25, rel=0.05)
+    assert book.std() == pytest.approx(64**-0.25, rel=0.05)
     # an edge score term <A[p] * gamma, B[c]> with gamma from an RMS-1 row: O(1)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((50, 256))
@@ -223,26 +247,40 @@ def test_checkpoint_spellings_upstream_accepts(d2_ckpt):
         np.testing.assert_array_equal(r[name], w[name], err_msg=name)
 
 
-@pytest.mark.parametrize("edit, match", [
-    (dict(drop="candidate_selector.successor_codebook"), r"missing tensor.*candidate_selector\.successor_codebook"),
-    (dict(drop="layers.1.attention_conv.kernel_projection.weight"),
-     r"missing tensor.*layers\.1\.attention_conv\.kernel_projection\.weight"),
-    (dict(shape=("layers.0.mlp_conv.base_kernel", (2, 2, 256))),
-     r"'layers\.0\.mlp_conv\.base_kernel' has shape \(2, 2, 256\), config needs \(2, 3, 256\)"),
-    (dict(shape=("candidate_selector.hidden_projection.weight", (16, 256))),
-     r"hidden_projection\.weight' has shape \(16, 256\), config needs \(32, 256\)"),
-    (dict(twice="candidate_selector.predecessor_codebook"), r"both 'candidate_selector\.predecessor_codebook'"),
-    (dict(config=dict(conv_group_size=...)), r"DFlash-2 config without \['conv_group_size'\]"),
-    (dict(config=dict(selector_top_k=0)), r"dflash_config\.selector_top_k must be > 0"),
-    (dict(config=dict(conv_group_size=48)), r"conv_group_size 48 does not divide hidden 256"),
-    (dict(config=dict(selector_top_k=500)), r"selector_top_k 500 exceeds vocab 96"),
-    (dict(config=dict(vocab_size=...)), r"vocab must be set for DFlash-2"),
-    (dict(config=dict(architectures=["DFlashDraftModel"])), r"DFlash-2 key\(s\) .* under architecture 'DFlashDraftModel'"),
-    (dict(config=dict(architectures=["DFlashDraftModel", "DFlash2DraftModel"])), "both DFlash-1 and DFlash-2"),
-    (dict(config={k: ... for k in DFLASH2_FIELDS}), r"DFlash-2 config without \['conv_kernel_size'"),
-    (dict(config=dict(architectures=["DFlashDraftModel"], **{k: ... for k in DFLASH2_FIELDS})),
-     r"DFlash-2 tensor.*config\.json is DFlash-1"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (dict(drop="candidate_selector.successor_codebook"), r"missing tensor.*candidate_selector\.successor_codebook"),
+        (
+            dict(drop="layers.1.attention_conv.kernel_projection.weight"),
+            r"missing tensor.*layers\.1\.attention_conv\.kernel_projection\.weight",
+        ),
+        (
+            dict(shape=("layers.0.mlp_conv.base_kernel", (2, 2, 256))),
+            r"'layers\.0\.mlp_conv\.base_kernel' has shape \(2, 2, 256\), config needs \(2, 3, 256\)",
+        ),
+        (
+            dict(shape=("candidate_selector.hidden_projection.weight", (16, 256))),
+            r"hidden_projection\.weight' has shape \(16, 256\), config needs \(32, 256\)",
+        ),
+        (dict(twice="candidate_selector.predecessor_codebook"), r"both 'candidate_selector\.predecessor_codebook'"),
+        (dict(config=dict(conv_group_size=...)), r"DFlash-2 config without \['conv_group_size'\]"),
+        (dict(config=dict(selector_top_k=0)), r"dflash_config\.selector_top_k must be > 0"),
+        (dict(config=dict(conv_group_size=48)), r"conv_group_size 48 does not divide hidden 256"),
+        (dict(config=dict(selector_top_k=500)), r"selector_top_k 500 exceeds vocab 96"),
+        (dict(config=dict(vocab_size=...)), r"vocab must be set for DFlash-2"),
+        (
+            dict(config=dict(architectures=["DFlashDraftModel"])),
+            r"DFlash-2 key\(s\) .* under architecture 'DFlashDraftModel'",
+        ),
+        (dict(config=dict(architectures=["DFlashDraftModel", "DFlash2DraftModel"])), "both DFlash-1 and DFlash-2"),
+        (dict(config={k: ... for k in DFLASH2_FIELDS}), r"DFlash-2 config without \['conv_kernel_size'"),
+        (
+            dict(config=dict(architectures=["DFlashDraftModel"], **{k: ... for k in DFLASH2_FIELDS})),
+            r"DFlash-2 tensor.*config\.json is DFlash-1",
+        ),
+    ],
+)
 def test_checkpoint_refusals(d2_ckpt, edit, match):
     w, ck = d2_ckpt
     load_checkpoint(ck)  # negative control: the unedited checkpoint loads
@@ -296,7 +334,8 @@ def test_gguf_names_keys_and_layouts(d2_file):
     assert {k: kv[f"dflash.{k}"] for k in DFLASH2_FIELDS} == D2
     reader = GGUFReader(path, "r")
     assert {f.name: f.types[0] for f in reader.fields.values() if f.name.split(".")[-1] in DFLASH2_FIELDS} == {
-        f"dflash.{k}": T.UINT32 for k in DFLASH2_FIELDS}
+        f"dflash.{k}": T.UINT32 for k in DFLASH2_FIELDS
+    }
     t = {t.name: t for t in reader.tensors}
     ne = {name: [int(n) for n in t[name].shape] for name in t}
     assert ne["blk.0.attn_conv_base"] == ne["blk.1.ffn_conv_base"] == [256, 3, 2]  # no `.weight` suffix
@@ -305,16 +344,19 @@ def test_gguf_names_keys_and_layouts(d2_file):
     assert ne["selector_predecessor.weight"] == ne["selector_successor.weight"] == [32, N_VOCAB]
     # the bytes are the (out, in) / (side, tap, channel) arrays, row-major: no transpose anywhere
     np.testing.assert_array_equal(np.asarray(t["blk.1.attn_conv_base"].data), w["layers.1.attention_conv.base_kernel"])
-    np.testing.assert_array_equal(np.asarray(t["selector_successor.weight"].data),
-                                  w["candidate_selector.successor_codebook"])
-    np.testing.assert_array_equal(np.asarray(t["blk.0.ffn_conv_proj.weight"].data),
-                                  w["layers.0.mlp_conv.kernel_projection.weight"])
+    np.testing.assert_array_equal(
+        np.asarray(t["selector_successor.weight"].data), w["candidate_selector.successor_codebook"]
+    )
+    np.testing.assert_array_equal(
+        np.asarray(t["blk.0.ffn_conv_proj.weight"].data), w["layers.0.mlp_conv.kernel_projection.weight"]
+    )
 
 
 def test_codebooks_fall_back_to_f16_where_q8_0_does_not_fit(tmp_path, vocab_file):
     w = d2_weights(d2_cfg(selector_rank=16))
-    r = DraftWeights.from_pretrained(w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype="q8_0",
-                                                       vocab_from=vocab_file))
+    r = DraftWeights.from_pretrained(
+        w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype="q8_0", vocab_from=vocab_file)
+    )
     assert r.stored["candidate_selector.predecessor_codebook"].type_name == "f16"
     assert r.stored["candidate_selector.hidden_projection.weight"].type_name == "q8_0"
     assert codebook_type("q4_k", 32) == "q8_0" and codebook_type("bf16", 16) == "bf16"
@@ -329,36 +371,63 @@ def test_gguf_write_refusals(tmp_path, vocab_file):
     d2_weights(d2_cfg(selector_top_k=15)).save_pretrained(tmp_path / "b.gguf", format="gguf", vocab_from=vocab_file)
 
 
-DROP_ALL_D2_TENSORS = tuple(f"blk.{i}.{s}" for i in range(2) for s in (
-    "attn_conv_base", "attn_conv_proj.weight", "ffn_conv_base", "ffn_conv_proj.weight")) + (
-    "selector_hidden.weight", "selector_predecessor.weight", "selector_successor.weight")
+DROP_ALL_D2_TENSORS = tuple(
+    f"blk.{i}.{s}"
+    for i in range(2)
+    for s in ("attn_conv_base", "attn_conv_proj.weight", "ffn_conv_base", "ffn_conv_proj.weight")
+) + ("selector_hidden.weight", "selector_predecessor.weight", "selector_successor.weight")
 
 GGUF_REFUSALS = {
     "one key missing": (dict(drop_keys=("dflash.selector_rank",)), r"missing key 'dflash\.selector_rank'"),
-    "key zero": (dict(set_keys={"dflash.conv_kernel_size": (0, T.UINT32)}),
-                 r"key 'dflash\.conv_kernel_size' = 0 must be > 0"),
-    "group does not divide": (dict(set_keys={"dflash.conv_group_size": (48, T.UINT32)}),
-                              r"'dflash\.conv_group_size' = 48 does not divide dflash\.embedding_length = 256"),
-    "lattice too wide": (dict(set_keys={"dflash.selector_top_k": (16, T.UINT32)}),
-                         r"'dflash\.selector_top_k' = 16: the selector's lattice would not fit in n_embd"),
-    "top-k beyond vocab": (dict(set_keys={"dflash.selector_top_k": (14, T.UINT32)}, vocab=12),
-                           r"'dflash\.selector_top_k' = 14 exceeds the vocabulary of 12"),
-    "keys without tensors": (dict(drop_tensors=DROP_ALL_D2_TENSORS), r"has the DFlash-2 keys .* but no DFlash-2 tensor"),
-    "tensors without keys": (dict(drop_keys=tuple(f"dflash.{k}" for k in DFLASH2_FIELDS)),
-                             r"tensor 'blk\.0\.attn_conv_base' is a DFlash-2 tensor .* none of the keys"),
-    "one tensor missing": (dict(drop_tensors=("blk.1.ffn_conv_proj.weight",)),
-                           r"missing DFlash-2 tensor 'blk\.1\.ffn_conv_proj\.weight'"),
-    "base kernel shape": (dict(replace={"blk.0.attn_conv_base": np.zeros((2, 4, 256), np.float32)}),
-                          r"'blk\.0\.attn_conv_base' has ne \{256, 4, 2\}, expected \{256, 3, 2\}"),
-    "projection shape": (dict(replace={"blk.1.ffn_conv_proj.weight": np.zeros((24, 256), np.float32)}),
-                         r"'blk\.1\.ffn_conv_proj\.weight' has ne \{256, 24\}, expected \{256, 48\}"),
-    "codebook rank": (dict(replace={"selector_successor.weight": np.zeros((N_VOCAB, 16), np.float32)}),
-                      r"'selector_successor\.weight' has ne \{16, 96\}, expected \{32, 96\}: its rank 16 differs "
-                      r"from dflash\.selector_rank = 32"),
-    "hidden projection rank": (dict(replace={"selector_hidden.weight": np.zeros((64, 256), np.float32)}),
-                               r"'selector_hidden\.weight' has ne \{256, 64\}.*rank 64 differs"),
-    "base kernel not f32": (dict(replace={"blk.1.ffn_conv_base": np.zeros((2, 3, 256), np.float16)}),
-                            r"'blk\.1\.ffn_conv_base' is F16: llama\.cpp adds the base kernel"),
+    "key zero": (
+        dict(set_keys={"dflash.conv_kernel_size": (0, T.UINT32)}),
+        r"key 'dflash\.conv_kernel_size' = 0 must be > 0",
+    ),
+    "group does not divide": (
+        dict(set_keys={"dflash.conv_group_size": (48, T.UINT32)}),
+        r"'dflash\.conv_group_size' = 48 does not divide dflash\.embedding_length = 256",
+    ),
+    "lattice too wide": (
+        dict(set_keys={"dflash.selector_top_k": (16, T.UINT32)}),
+        r"'dflash\.selector_top_k' = 16: the selector's lattice would not fit in n_embd",
+    ),
+    "top-k beyond vocab": (
+        dict(set_keys={"dflash.selector_top_k": (14, T.UINT32)}, vocab=12),
+        r"'dflash\.selector_top_k' = 14 exceeds the vocabulary of 12",
+    ),
+    "keys without tensors": (
+        dict(drop_tensors=DROP_ALL_D2_TENSORS),
+        r"has the DFlash-2 keys .* but no DFlash-2 tensor",
+    ),
+    "tensors without keys": (
+        dict(drop_keys=tuple(f"dflash.{k}" for k in DFLASH2_FIELDS)),
+        r"tensor 'blk\.0\.attn_conv_base' is a DFlash-2 tensor .* none of the keys",
+    ),
+    "one tensor missing": (
+        dict(drop_tensors=("blk.1.ffn_conv_proj.weight",)),
+        r"missing DFlash-2 tensor 'blk\.1\.ffn_conv_proj\.weight'",
+    ),
+    "base kernel shape": (
+        dict(replace={"blk.0.attn_conv_base": np.zeros((2, 4, 256), np.float32)}),
+        r"'blk\.0\.attn_conv_base' has ne \{256, 4, 2\}, expected \{256, 3, 2\}",
+    ),
+    "projection shape": (
+        dict(replace={"blk.1.ffn_conv_proj.weight": np.zeros((24, 256), np.float32)}),
+        r"'blk\.1\.ffn_conv_proj\.weight' has ne \{256, 24\}, expected \{256, 48\}",
+    ),
+    "codebook rank": (
+        dict(replace={"selector_successor.weight": np.zeros((N_VOCAB, 16), np.float32)}),
+        r"'selector_successor\.weight' has ne \{16, 96\}, expected \{32, 96\}: its rank 16 differs "
+        r"from dflash\.selector_rank = 32",
+    ),
+    "hidden projection rank": (
+        dict(replace={"selector_hidden.weight": np.zeros((64, 256), np.float32)}),
+        r"'selector_hidden\.weight' has ne \{256, 64\}.*rank 64 differs",
+    ),
+    "base kernel not f32": (
+        dict(replace={"blk.1.ffn_conv_base": np.zeros((2, 3, 256), np.float16)}),
+        r"'blk\.1\.ffn_conv_base' is F16: llama\.cpp adds the base kernel",
+    ),
 }
 
 
@@ -368,13 +437,19 @@ def test_gguf_read_refusals(case, tmp_path):
     edit = dict(edit)
     vocab = edit.pop("vocab", N_VOCAB)
     cfg = d2_cfg(vocab=vocab, mask_token_id=3)
-    src = DraftWeights.random(cfg).save_pretrained(tmp_path / "src.gguf", format="gguf", dtype="f32",
-                                                   vocab_from=write_vocab_gguf(tmp_path / "v.gguf", vocab))
+    src = DraftWeights.random(cfg).save_pretrained(
+        tmp_path / "src.gguf", format="gguf", dtype="f32", vocab_from=write_vocab_gguf(tmp_path / "v.gguf", vocab)
+    )
     replace = edit.pop("replace", {})
     # negative control: the copy without the edit loads (the copier itself breaks nothing)
     assert DraftWeights.from_pretrained(copy_gguf(src, tmp_path / "same.gguf")).cfg == cfg
-    bad = copy_gguf(src, tmp_path / "bad.gguf", drop_tensors=tuple(replace) + edit.pop("drop_tensors", ()),
-                    add_tensors=replace, **edit)
+    bad = copy_gguf(
+        src,
+        tmp_path / "bad.gguf",
+        drop_tensors=tuple(replace) + edit.pop("drop_tensors", ()),
+        add_tensors=replace,
+        **edit,
+    )
     with pytest.raises(GGUFError, match=match):
         DraftWeights.from_pretrained(bad)
 
@@ -391,21 +466,35 @@ def test_all_dflash2_keys_zero_is_dflash1(tmp_path, vocab_file):
 # ------------------------------------------------------------------------------- llama.cpp's converter
 
 
+@pytest.mark.slow  # llama.cpp
 @pytest.mark.parametrize("outtype", ["f32", "f16"])
 def test_llama_cpp_converts_our_checkpoint(outtype, tmp_path):
     """convert_hf_to_gguf.py (DFlashModel) turns the DFlash-2 checkpoint we write into a GGUF that
     reads back to our tensors: exactly for f32; for f16 with its types (base kernels F32, every
     other DFlash-2 tensor F16, the codebooks included)."""
-    from tests.model.test_gguf_convert import N_VOCAB as TARGET_VOCAB, SRC, target_dir
+    from tests.model.test_gguf_convert import N_VOCAB as TARGET_VOCAB
+    from tests.model.test_gguf_convert import SRC, target_dir
 
     cfg = d2_cfg(vocab=TARGET_VOCAB, target_layer_ids=[1, 5, 9])
     draft = tmp_path / "draft"
     DraftWeights.random(cfg, seed=6).save_pretrained(draft, dtype="float32")
     out = tmp_path / "converted.gguf"
     proc = subprocess.run(
-        [sys.executable, str(Path(SRC) / "convert_hf_to_gguf.py"), str(draft), "--target-model-dir",
-         str(target_dir(tmp_path / "target")), "--outfile", str(out), "--outtype", outtype],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            str(Path(SRC) / "convert_hf_to_gguf.py"),
+            str(draft),
+            "--target-model-dir",
+            str(target_dir(tmp_path / "target")),
+            "--outfile",
+            str(out),
+            "--outtype",
+            outtype,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours = load_checkpoint(draft)
     theirs = DraftWeights.from_pretrained(out)
@@ -417,8 +506,15 @@ def test_llama_cpp_converts_our_checkpoint(outtype, tmp_path):
         np.testing.assert_array_equal(theirs[name], expected_rounding(ours[name], kind), err_msg=name)
     assert types["blk.0.attn_conv_base"] == types["blk.1.ffn_conv_base"] == "f32"
     want = outtype
-    assert {types[n] for n in ("blk.0.attn_conv_proj.weight", "selector_hidden.weight",
-                               "selector_predecessor.weight", "selector_successor.weight")} == {want}
+    assert {
+        types[n]
+        for n in (
+            "blk.0.attn_conv_proj.weight",
+            "selector_hidden.weight",
+            "selector_predecessor.weight",
+            "selector_successor.weight",
+        )
+    } == {want}
 
 
 # ------------------------------------------------------------------------------- llama.cpp's loader
@@ -442,6 +538,7 @@ def big_vocab_weights(seed: int = 0, **changes) -> DraftWeights:
     return d2_weights(d2_cfg(vocab=49152, mask_token_id=7, target_layer_ids=[1, 5, 9], **changes), seed=seed)
 
 
+@pytest.mark.slow  # llama.cpp
 @pytest.mark.parametrize("dtype", ["f16", "q4_k_m"])
 def test_llama_cpp_loads_our_dflash2_gguf(dtype, tmp_path, llama_target):
     from pyggml_dkv.hosts.llama_cpp.native_dflash import llama_model_info
@@ -456,18 +553,33 @@ def test_llama_cpp_loads_our_dflash2_gguf(dtype, tmp_path, llama_target):
 
 
 LLAMA_CPP_REFUSES = {
-    "lattice too wide": (dict(set_keys={"dflash.selector_top_k": (16, T.UINT32)}),
-                         "too small for the selector lattice", "lattice would not fit"),
-    "group does not divide": (dict(set_keys={"dflash.conv_group_size": (48, T.UINT32)}),
-                              "divisible by conv_group_size", "does not divide"),
-    "tensors without keys": (dict(drop_keys=tuple(f"dflash.{k}" for k in DFLASH2_FIELDS)),
-                             "missing conv/selector metadata", "none of the keys"),
-    "codebook rank": (dict(drop_tensors=("selector_successor.weight",),
-                           add_tensors={"selector_successor.weight": np.zeros((49152, 16), np.float32)}),
-                      "selector_successor.weight", "rank 16 differs"),
+    "lattice too wide": (
+        dict(set_keys={"dflash.selector_top_k": (16, T.UINT32)}),
+        "too small for the selector lattice",
+        "lattice would not fit",
+    ),
+    "group does not divide": (
+        dict(set_keys={"dflash.conv_group_size": (48, T.UINT32)}),
+        "divisible by conv_group_size",
+        "does not divide",
+    ),
+    "tensors without keys": (
+        dict(drop_keys=tuple(f"dflash.{k}" for k in DFLASH2_FIELDS)),
+        "missing conv/selector metadata",
+        "none of the keys",
+    ),
+    "codebook rank": (
+        dict(
+            drop_tensors=("selector_successor.weight",),
+            add_tensors={"selector_successor.weight": np.zeros((49152, 16), np.float32)},
+        ),
+        "selector_successor.weight",
+        "rank 16 differs",
+    ),
 }
 
 
+@pytest.mark.slow  # llama.cpp
 @pytest.mark.parametrize("case", list(LLAMA_CPP_REFUSES))
 def test_llama_cpp_refuses_what_we_refuse(case, tmp_path, llama_target):
     from pyggml_dkv.hosts.llama_cpp.native_dflash import LlamaCppError, llama_model_info
@@ -481,6 +593,7 @@ def test_llama_cpp_refuses_what_we_refuse(case, tmp_path, llama_target):
         DraftWeights.from_pretrained(bad)
 
 
+@pytest.mark.slow  # llama.cpp
 def test_llama_cpp_runs_keys_without_tensors_as_dflash1(tmp_path, llama_target):
     """Where we are stricter: llama.cpp loads a file with the DFlash-2 keys and no DFlash-2 tensor
     (its graph is then DFlash-1's, while its draft loop would read a selector lattice because
@@ -497,10 +610,14 @@ def test_llama_cpp_runs_keys_without_tensors_as_dflash1(tmp_path, llama_target):
 # ------------------------------------------------------------------------------- llama.cpp's DFlash-2 graph
 
 
-@pytest.mark.parametrize("changes, swa", [
-    (dict(), "seed"),
-    (dict(layer_types=["sliding", "full"], swa_window=6), "llama"),
-])
+@pytest.mark.slow  # llama.cpp
+@pytest.mark.parametrize(
+    "changes, swa",
+    [
+        (dict(), "seed"),
+        (dict(layer_types=["sliding", "full"], swa_window=6), "llama"),
+    ],
+)
 def test_llama_cpp_dflash2_logits_match_the_reference(changes, swa, tmp_path, llama_target):
     """llama.cpp's own DFlash-2 graph (src/models/dflash.cpp) on the f32 GGUF we write computes the
     numpy reference's logits: the convolutions, the in-graph logit scale and soft cap, and on a

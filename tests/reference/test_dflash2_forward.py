@@ -16,8 +16,18 @@ from pyggml_dkv.model.weights import DraftWeights
 from pyggml_dkv.reference import dflash2 as D2
 from tests.reference.test_dflash2_reference import brute_conv
 
-SMALL = dict(hidden=32, n_layer=2, n_head=4, n_head_kv=2, head_dim=8, ffn=48, block_size=6, n_target_layers=2,
-             vocab=50, mask_token_id=49)
+SMALL = dict(
+    hidden=32,
+    n_layer=2,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=8,
+    ffn=48,
+    block_size=6,
+    n_target_layers=2,
+    vocab=50,
+    mask_token_id=49,
+)
 DFLASH2 = dict(conv_kernel_size=3, conv_group_size=4, selector_rank=6, selector_top_k=3)
 MIXED = dict(layer_types=["sliding", "full"], swa_window=3)
 
@@ -41,8 +51,17 @@ def with_tensors(w: DraftWeights, **arrays: np.ndarray) -> DraftWeights:
 # ------------------------------------------------------------------------------- the layer, stated by brute force
 
 
-def brute_layer(w: DraftWeights, layer: int, h: np.ndarray, fused: np.ndarray, ctx: np.ndarray, committed: int,
-                swa: str, conv=None, kv_from_convolved: bool = True) -> np.ndarray:
+def brute_layer(
+    w: DraftWeights,
+    layer: int,
+    h: np.ndarray,
+    fused: np.ndarray,
+    ctx: np.ndarray,
+    committed: int,
+    swa: str,
+    conv=None,
+    kv_from_convolved: bool = True,
+) -> np.ndarray:
     """docs/dflash2.md section 1, steps 1-11, from the reference's DFlash-1 pieces and a scalar
     convolution: conv(x, sublayer, side, deltas) defaults to brute_conv."""
     cfg = w.cfg
@@ -105,15 +124,26 @@ def test_one_tap_without_projection_is_a_per_channel_scale():
     """K = 1 and a zero projection: each side of each convolution multiplies channel c by base[side, 0, c]."""
     cfg = d2_cfg(conv_kernel_size=1)
     w = DraftWeights.random(cfg, seed=4)
-    zero = {f"layers/{i}/{sub}/kernel_projection/weight": np.zeros((2 * cfg.conv_groups, cfg.hidden), np.float32)
-            for i in range(cfg.n_layer) for sub in ("attention_conv", "mlp_conv")}
+    zero = {
+        f"layers/{i}/{sub}/kernel_projection/weight": np.zeros((2 * cfg.conv_groups, cfg.hidden), np.float32)
+        for i in range(cfg.n_layer)
+        for sub in ("attention_conv", "mlp_conv")
+    }
     w = with_tensors(w, **zero)
     feats, noise = inputs(cfg, 7)
     fused = R.fuse_features(w, feats)
     h = noise.copy()
     for layer in range(cfg.n_layer):
-        h = brute_layer(w, layer, h, fused, np.arange(7), 7, "seed",
-                        conv=lambda x, sub, side, d, i=layer: x * w[f"layers.{i}.{sub}.base_kernel"][side, 0])
+        h = brute_layer(
+            w,
+            layer,
+            h,
+            fused,
+            np.arange(7),
+            7,
+            "seed",
+            conv=lambda x, sub, side, d, i=layer: x * w[f"layers.{i}.{sub}.base_kernel"][side, 0],
+        )
     want = R.rms_norm(h, w["norm.weight"], cfg.rms_eps)
     np.testing.assert_allclose(R.draft_forward(w, feats, np.arange(7), noise, 7), want, rtol=1e-12, atol=1e-12)
 
@@ -127,16 +157,20 @@ def test_identity_convolutions_give_exactly_the_dflash1_drafter():
     for i in range(cfg.n_layer):
         for sub in ("attention_conv", "mlp_conv"):
             arrays[f"layers/{i}/{sub}/base_kernel"] = ident
-            arrays[f"layers/{i}/{sub}/kernel_projection/weight"] = np.zeros_like(w[f"layers.{i}.{sub}.kernel_projection.weight"])
+            arrays[f"layers/{i}/{sub}/kernel_projection/weight"] = np.zeros_like(
+                w[f"layers.{i}.{sub}.kernel_projection.weight"]
+            )
     w2 = with_tensors(w, **arrays)
     one_cfg = cfg.replace(**{k: 0 for k in DFLASH2_FIELDS})
     w1 = DraftWeights(one_cfg, {k: v for k, v in w.items() if k in expected_shapes(one_cfg)})
     feats, noise = inputs(cfg, 8)
-    np.testing.assert_array_equal(R.draft_forward(w2, feats, np.arange(8), noise, 8),
-                                  R.draft_forward(w1, feats, np.arange(8), noise, 8))
+    np.testing.assert_array_equal(
+        R.draft_forward(w2, feats, np.arange(8), noise, 8), R.draft_forward(w1, feats, np.arange(8), noise, 8)
+    )
     # negative control: the random convolutions change the result
-    assert not np.allclose(R.draft_forward(w, feats, np.arange(8), noise, 8),
-                           R.draft_forward(w1, feats, np.arange(8), noise, 8), rtol=1e-3)
+    assert not np.allclose(
+        R.draft_forward(w, feats, np.arange(8), noise, 8), R.draft_forward(w1, feats, np.arange(8), noise, 8), rtol=1e-3
+    )
 
 
 def test_context_rows_are_not_convolved():
@@ -145,12 +179,18 @@ def test_context_rows_are_not_convolved():
     every attention output zeroed by o_proj = 0, the context cannot matter at all."""
     cfg = d2_cfg()
     w = DraftWeights.random(cfg, seed=6)
-    w = with_tensors(w, **{f"layers/{i}/self_attn/o_proj/weight": np.zeros((cfg.hidden, cfg.hidden), np.float32)
-                           for i in range(cfg.n_layer)})
+    w = with_tensors(
+        w,
+        **{
+            f"layers/{i}/self_attn/o_proj/weight": np.zeros((cfg.hidden, cfg.hidden), np.float32)
+            for i in range(cfg.n_layer)
+        },
+    )
     feats, noise = inputs(cfg, 8)
     other = feats + np.random.default_rng(9).standard_normal(feats.shape)
-    np.testing.assert_array_equal(R.draft_forward(w, feats, np.arange(8), noise, 8),
-                                  R.draft_forward(w, other, np.arange(8), noise, 8))
+    np.testing.assert_array_equal(
+        R.draft_forward(w, feats, np.arange(8), noise, 8), R.draft_forward(w, other, np.arange(8), noise, 8)
+    )
 
 
 OLD_CASES = [dict(), MIXED, dict(freq_scale=0.25, ext_factor=1.0, n_ctx_orig=64)]
@@ -222,8 +262,15 @@ def test_draft_step_is_forward_then_selector_then_walk():
     lattice, ids = D2.draft_step_dflash2(w, all_feats, 20, 8, noise, 17, head)
     out = R.reference_step(w, all_feats, 20, 8, noise)
     logits = R.lm_logits(out, head, cfg)
-    want = D2.selector_scores(out, logits, 17, w["candidate_selector.hidden_projection.weight"],
-                              w["candidate_selector.predecessor_codebook"], w["candidate_selector.successor_codebook"], 3)
+    want = D2.selector_scores(
+        out,
+        logits,
+        17,
+        w["candidate_selector.hidden_projection.weight"],
+        w["candidate_selector.predecessor_codebook"],
+        w["candidate_selector.successor_codebook"],
+        3,
+    )
     np.testing.assert_array_equal(lattice.candidates, want.candidates)
     np.testing.assert_array_equal(lattice.scores, want.scores)
     np.testing.assert_array_equal(ids, D2.greedy_walk(want))
@@ -300,12 +347,15 @@ def test_llama_visibility_by_brute_force(window, layer_type):
 def test_llama_sees_noise_keys_ahead_where_per_row_does_not():
     cfg = DraftConfig(**{**SMALL, "layer_types": ["sliding", "sliding"], "swa_window": 2})
     ctx = np.array([3, 4, 5, 6, 7])
-    want = np.array([
-        # ctx 3 4 5 6 7 | noise 8 9 10
-        [0, 0, 0, 0, 1, 1, 1, 1],  # q=8: 7, and every noise key (none is 2 behind)
-        [0, 0, 0, 0, 0, 1, 1, 1],  # q=9: 8 .. 10
-        [0, 0, 0, 0, 0, 0, 1, 1],  # q=10: 9, 10
-    ], dtype=bool)
+    want = np.array(
+        [
+            # ctx 3 4 5 6 7 | noise 8 9 10
+            [0, 0, 0, 0, 1, 1, 1, 1],  # q=8: 7, and every noise key (none is 2 behind)
+            [0, 0, 0, 0, 0, 1, 1, 1],  # q=9: 8 .. 10
+            [0, 0, 0, 0, 0, 0, 1, 1],  # q=10: 9, 10
+        ],
+        dtype=bool,
+    )
     np.testing.assert_array_equal(R.visibility(cfg, "sliding", ctx, 8, 3, "llama"), want)
     assert not np.array_equal(R.visibility(cfg, "sliding", ctx, 8, 3, "per_row"), want)
 
@@ -317,5 +367,7 @@ def test_llama_flavour_runs_and_differs_from_per_row_on_sliding_layers():
     llama = R.draft_forward(w, feats, np.arange(9), noise, 9, swa="llama")
     assert not np.allclose(llama, R.draft_forward(w, feats, np.arange(9), noise, 9, swa="per_row"))
     full = DraftWeights(cfg.replace(layer_types=["full", "full"]), dict(w))
-    np.testing.assert_array_equal(R.draft_forward(full, feats, np.arange(9), noise, 9, swa="llama"),
-                                  R.draft_forward(full, feats, np.arange(9), noise, 9, swa="per_row"))
+    np.testing.assert_array_equal(
+        R.draft_forward(full, feats, np.arange(9), noise, 9, swa="llama"),
+        R.draft_forward(full, feats, np.arange(9), noise, 9, swa="per_row"),
+    )

@@ -14,8 +14,10 @@ import pytest
 torch = pytest.importorskip("torch", exc_type=ImportError)
 dflash_model = pytest.importorskip("dflash.model", exc_type=ImportError)
 
-from tests.torch_threads import torch_threads  # noqa: E402
 from pyggml_dkv.reference import dflash2 as D2  # noqa: E402
+from tests.torch_threads import torch_threads  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the PyTorch reference model: the slow tier
 
 H, K, GROUP, RANK, VOCAB, TOP_K, N = 16, 3, 4, 6, 40, 4, 6
 
@@ -114,10 +116,26 @@ def test_upstream_loads_our_checkpoint_and_drafts_what_the_reference_drafts(tmp_
     from pyggml_dkv.model.config import DraftConfig
     from pyggml_dkv.model.weights import DraftWeights
 
-    cfg = DraftConfig(hidden=64, n_layer=2, n_head=4, n_head_kv=2, head_dim=16, ffn=96, block_size=6,
-                      n_target_layers=2, target_layer_ids=[1, 3], vocab=VOCAB, mask_token_id=VOCAB - 1,
-                      rope_theta=10000.0, output_multiplier=0.9, final_logit_softcapping=8.0,
-                      conv_kernel_size=3, conv_group_size=8, selector_rank=RANK, selector_top_k=TOP_K)
+    cfg = DraftConfig(
+        hidden=64,
+        n_layer=2,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=16,
+        ffn=96,
+        block_size=6,
+        n_target_layers=2,
+        target_layer_ids=[1, 3],
+        vocab=VOCAB,
+        mask_token_id=VOCAB - 1,
+        rope_theta=10000.0,
+        output_multiplier=0.9,
+        final_logit_softcapping=8.0,
+        conv_kernel_size=3,
+        conv_group_size=8,
+        selector_rank=RANK,
+        selector_top_k=TOP_K,
+    )
     w = DraftWeights.random(cfg, seed=4)
     w.save_pretrained(tmp_path)
     model = dflash_model.DFlash2DraftModel.from_pretrained(tmp_path, dtype=torch.float64).eval()
@@ -134,8 +152,11 @@ def test_upstream_loads_our_checkpoint_and_drafts_what_the_reference_drafts(tmp_
     head = rng.standard_normal((VOCAB, cfg.hidden)) / np.sqrt(cfg.hidden)
     pos = torch.arange(committed - ctx_len, committed + cfg.block_size)[None]
     with torch.no_grad():
-        hidden = model(position_ids=pos, noise_embedding=t64(noise)[None],
-                       target_hidden=t64(all_feats[committed - ctx_len:])[None])
+        hidden = model(
+            position_ids=pos,
+            noise_embedding=t64(noise)[None],
+            target_hidden=t64(all_feats[committed - ctx_len :])[None],
+        )
         output_head = torch.nn.Linear(cfg.hidden, VOCAB, bias=False).to(torch.float64)
         output_head.weight.copy_(t64(head))
         path, _, _ = model.propose(hidden[:, 1:], torch.tensor([11]), output_head, 0.0)

@@ -4,8 +4,9 @@ alone, drafts are accepted, and sampled requests draw from the selector's lattic
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,9 +20,10 @@ from pyggml_dkv.hosts.llama_cpp.batched_target import BatchedLlamaTarget  # noqa
 from pyggml_dkv.model.gguf_write import save_gguf  # noqa: E402
 from pyggml_dkv.serving.engine import RequestParams, SpeculativeEngine  # noqa: E402
 from pyggml_dkv.serving.policy import FixedPolicy  # noqa: E402
-
 from tests.hosts.hosts_helpers import PROMPTS, THREADS, smollm2_path  # noqa: E402
 from tests.hosts.test_dflash2_host import lifted_dflash2  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 NEAR_TIE = 0.5
 MAX = 24
@@ -39,8 +41,9 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> DraftWeights:
 
 @pytest.fixture(scope="module")
 def target(weights: DraftWeights) -> Iterator[BatchedLlamaTarget]:
-    with BatchedLlamaTarget(smollm2_path(), n_parallel=PARALLEL, n_ctx=1024, n_threads=THREADS,
-                            capture_layers=weights.cfg.target_layer_ids) as t:
+    with BatchedLlamaTarget(
+        smollm2_path(), n_parallel=PARALLEL, n_ctx=1024, n_threads=THREADS, capture_layers=weights.cfg.target_layer_ids
+    ) as t:
         yield t
 
 
@@ -59,8 +62,10 @@ def test_concurrent_greedy_requests_equal_each_alone(target: BatchedLlamaTarget,
         refs = [plain_greedy(alone, p, MAX) for p in prompts]
     engine = SpeculativeEngine(target, drafter, policy=FixedPolicy(7))
     try:
-        results = [h.result(timeout=180) for h in [engine.submit(p, RequestParams(max_tokens=MAX, record_gaps=True))
-                                                   for p in prompts]]
+        results = [
+            h.result(timeout=180)
+            for h in [engine.submit(p, RequestParams(max_tokens=MAX, record_gaps=True)) for p in prompts]
+        ]
     finally:
         assert engine.shutdown(10)
     for res, ref in zip(results, refs):
@@ -76,8 +81,9 @@ def test_sampled_requests_run_in_lanes(target: BatchedLlamaTarget, drafter: Any)
     """Sampled requests beside a greedy one: each lane walks its own lattice at its own
     temperature; the same seeded workload gives the same tokens twice."""
     prompt = target.tokenize(target.chat_prompt(PROMPTS[0]))
-    params = [RequestParams(max_tokens=12, temperature=0.8, top_k=20, seed=s) for s in (1, 2, 3)] + \
-        [RequestParams(max_tokens=12)]
+    params = [RequestParams(max_tokens=12, temperature=0.8, top_k=20, seed=s) for s in (1, 2, 3)] + [
+        RequestParams(max_tokens=12)
+    ]
     runs = []
     for _ in range(2):
         engine = SpeculativeEngine(target, drafter, policy=FixedPolicy(5))

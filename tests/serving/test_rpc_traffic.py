@@ -9,12 +9,13 @@ import pytest
 from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing
 from pyggml_dkv.serving.traffic import CountingRelay
 
-SMALL = DraftConfig(hidden=1024, n_layer=5, n_head=16, n_head_kv=4, head_dim=64, ffn=3072, block_size=16,
-                    n_target_layers=5)
+SMALL = DraftConfig(
+    hidden=1024, n_layer=5, n_head=16, n_head_kv=4, head_dim=64, ffn=3072, block_size=16, n_target_layers=5
+)
 CAP = 4096  # production geometry: the masks span 4096 + q_len + 1 key columns whatever the window
 
 
-@pytest.mark.parametrize("window", [64, 2048])
+@pytest.mark.parametrize("window", [64, pytest.param(2048, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("inputs", ["embed", "tokens"])
 @pytest.mark.parametrize("n_new", [2, 4])
 def test_small_step_sends_only_its_inputs_and_mask_changes(shared_server, window, inputs, n_new):
@@ -22,16 +23,22 @@ def test_small_step_sends_only_its_inputs_and_mask_changes(shared_server, window
     w = DraftWeights.random(cfg, seed=0)
     feats = np.random.default_rng(1).standard_normal((window + 8 * n_new, cfg.fc_in)).astype(np.float32)
     noise = np.zeros((cfg.block_size, cfg.hidden), np.float32)
-    embed = np.random.default_rng(2).standard_normal((100, cfg.hidden)).astype(np.float32) if inputs == "tokens" else None
+    embed = (
+        np.random.default_rng(2).standard_normal((100, cfg.hidden)).astype(np.float32) if inputs == "tokens" else None
+    )
     ids = np.arange(cfg.block_size, dtype=np.int32)
-    with CountingRelay(shared_server.port) as relay, Backend(f"rpc:127.0.0.1:{relay.port}") as be, \
-            w.to_backend(be, "f16") as bw, DraftKvCache(bw, be, CAP, embed_tokens=embed) as cache:
+    with (
+        CountingRelay(shared_server.port) as relay,
+        Backend(f"rpc:127.0.0.1:{relay.port}") as be,
+        w.to_backend(be, "f16") as bw,
+        DraftKvCache(bw, be, CAP, embed_tokens=embed) as cache,
+    ):
         ring = FeatureRing(CAP, cfg.fc_in)
         committed = window - 4 * n_new
         ring.append(feats[:committed])
         sent = []
         for _ in range(5):
-            ring.append(feats[committed:committed + n_new])
+            ring.append(feats[committed : committed + n_new])
             committed += n_new
             mark = relay.snapshot()
             if embed is None:  # the bonus token's embedding changes, the mask token's rows repeat

@@ -40,10 +40,9 @@ import logging
 import weakref
 from typing import Any
 
+import llama_cpp
 import numpy as np
 import numpy.typing as npt
-
-import llama_cpp
 from llama_cpp.llama_speculative import LlamaDraftModel
 
 from ...ggml.capabilities import load_ggml_matmul_tiles
@@ -91,15 +90,20 @@ class DFlashLlamaDraftModel(LlamaDraftModel):
         if llama._ctx is None or llama._ctx.ctx is None:
             raise HostClosedError("the Llama is closed")
         if getattr(llama.model_params, "use_extra_bufts", False) and not amx_kernels_work(llama.model_path):
-            raise HostError("this llama-cpp-python build dies of SIGILL in its AMX kernels on this CPU (GCC 12 dropped its "
-                            f"tile configuration); reinstall it with {INSTALL_HINT} (LlamaTarget instead loads such a "
-                            "build without AMX)")
+            raise HostError(
+                "this llama-cpp-python build dies of SIGILL in its AMX kernels on this CPU (GCC 12 dropped its "
+                f"tile configuration); reinstall it with {INSTALL_HINT} (LlamaTarget instead loads such a "
+                "build without AMX)"
+            )
         n_layer = int(llama_cpp.llama_model_n_layer(llama.model))
-        check_fits(self.drafter.cfg, self.drafter.vocab, n_embd=llama.n_embd(), n_layer=n_layer,
-                   n_vocab=llama.n_vocab())
+        check_fits(
+            self.drafter.cfg, self.drafter.vocab, n_embd=llama.n_embd(), n_layer=n_layer, n_vocab=llama.n_vocab()
+        )
         if llama.scores.shape[0] < llama.n_ctx():
-            raise HostError("create the Llama with logits_all=True: llama-cpp-python 0.3.36 sizes its score buffer "
-                            "by that argument and fails on prompts longer than n_batch with a draft model otherwise")
+            raise HostError(
+                "create the Llama with logits_all=True: llama-cpp-python 0.3.36 sizes its score buffer "
+                "by that argument and fails on prompts longer than n_batch with a draft model otherwise"
+            )
         self.capture = NativeCapture(self.drafter.cfg.target_layer_ids, llama.n_embd(), n_layer, llama.n_batch)
         self.capture.attach(llama._ctx.ctx)
         self._store = np.zeros((llama.n_ctx(), self.capture.fc_in), dtype=np.float32)
@@ -118,7 +122,7 @@ class DFlashLlamaDraftModel(LlamaDraftModel):
                 load_ggml_matmul_tiles()
             original(batch)
             self.capture.end()
-            self._store[pos0:pos0 + n] = self.capture.features(n)
+            self._store[pos0 : pos0 + n] = self.capture.features(n)
             if pos0 > self._written:
                 raise HostError(f"Llama decoded position {pos0} before position {self._written}")
             self._written = pos0 + n
@@ -155,7 +159,8 @@ class DFlashLlamaDraftModel(LlamaDraftModel):
     def __call__(self, input_ids: npt.NDArray[np.intc], /, **kwargs: Any) -> npt.NDArray[np.intc]:
         if self.closed:
             raise HostClosedError("this adapter was closed (with its Llama?)")
-        if self._llama is None:
+        store = self._store
+        if self._llama is None or store is None:  # (both are set by attach, cleared by close)
             raise HostError("call attach(llama) before generating")
         ids = np.asarray(input_ids).reshape(-1)
         n_eval = ids.size - 1  # the last id has been sampled, not evaluated yet
@@ -166,7 +171,7 @@ class DFlashLlamaDraftModel(LlamaDraftModel):
         if keep < drafter.committed:
             drafter.rewind(keep)
         if n_eval > drafter.committed:
-            drafter.add_features(self._store[drafter.committed:n_eval])
+            drafter.add_features(store[drafter.committed : n_eval])
         self._stale_from = n_eval
         self.proposals += 1
-        return np.asarray(drafter.propose(int(ids[-1])), dtype=np.intc)[:self.draft_max]
+        return np.asarray(drafter.propose(int(ids[-1])), dtype=np.intc)[: self.draft_max]

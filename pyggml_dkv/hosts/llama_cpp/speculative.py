@@ -34,8 +34,15 @@ def _is_drafter_object(drafter: object) -> bool:
     return all(hasattr(drafter, a) for a in ("cfg", "vocab", "add_features", "propose", "rewind", "reset"))
 
 
-def _check_arguments(model_path: Any, drafter: Any, draft_max: Any, p_min: Any, n_threads: Any,
-                     drafter_options: Any, llama_kwargs: dict[str, Any]) -> Path:
+def _check_arguments(
+    model_path: Any,
+    drafter: Any,
+    draft_max: Any,
+    p_min: Any,
+    n_threads: Any,
+    drafter_options: Any,
+    llama_kwargs: dict[str, Any],
+) -> Path:
     """Every argument, before anything is loaded; returns the target GGUF's path."""
     if not isinstance(model_path, (str, os.PathLike)):
         raise TypeError(f"model_path must be a path to the target's GGUF file, got {type(model_path).__name__}")
@@ -48,9 +55,11 @@ def _check_arguments(model_path: Any, drafter: Any, draft_max: Any, p_min: Any, 
         if drafter != DEFAULT_DRAFTER and not Path(drafter).exists():
             raise FileNotFoundError(f"drafter: no such dflash .gguf file or checkpoint directory: {drafter}")
     elif not _is_drafter_object(drafter):
-        raise TypeError("drafter must be None or 'default' (the shipped SmolLM2 drafter), a path to a dflash .gguf "
-                        "or checkpoint directory, a DraftWeights, or a drafter object (a pyggml_dkv Drafter, "
-                        f"RemoteDrafter, ...); got {type(drafter).__name__}")
+        raise TypeError(
+            "drafter must be None or 'default' (the shipped SmolLM2 drafter), a path to a dflash .gguf "
+            "or checkpoint directory, a DraftWeights, or a drafter object (a pyggml_dkv Drafter, "
+            f"RemoteDrafter, ...); got {type(drafter).__name__}"
+        )
     if draft_max is not None and (not is_int(draft_max) or draft_max < 1):
         raise ValueError(f"draft_max must be a positive int or None (the drafter's block size - 1), got {draft_max!r}")
     if not is_real(p_min) or not 0.0 <= p_min < 1.0:
@@ -60,13 +69,19 @@ def _check_arguments(model_path: Any, drafter: Any, draft_max: Any, p_min: Any, 
     if drafter_options is not None and not isinstance(drafter_options, Mapping):
         raise TypeError(f"drafter_options must be a mapping of Drafter arguments, got {type(drafter_options).__name__}")
     if _is_drafter_object(drafter) and (p_min or drafter_options):
-        raise ValueError("p_min and drafter_options configure a drafter that speculative_llama builds; "
-                         "set them on the drafter object you pass instead")
+        raise ValueError(
+            "p_min and drafter_options configure a drafter that speculative_llama builds; "
+            "set them on the drafter object you pass instead"
+        )
     if "draft_model" in llama_kwargs:
-        raise TypeError("draft_model: speculative_llama makes the Llama's draft model itself; pass the drafter as drafter=")
+        raise TypeError(
+            "draft_model: speculative_llama makes the Llama's draft model itself; pass the drafter as drafter="
+        )
     if "logits_all" in llama_kwargs and llama_kwargs["logits_all"] is not True:
-        raise ValueError("logits_all must be True with a draft model (llama-cpp-python 0.3.36 sizes its score buffer "
-                         "by it); leave it out, speculative_llama sets it")
+        raise ValueError(
+            "logits_all must be True with a draft model (llama-cpp-python 0.3.36 sizes its score buffer "
+            "by it); leave it out, speculative_llama sets it"
+        )
     if "n_threads_batch" in llama_kwargs:
         value = llama_kwargs["n_threads_batch"]
         if value is not None and (not is_int(value) or value < 1):
@@ -90,8 +105,10 @@ def _check_drafter_options(options: Mapping[str, Any]) -> None:
     allowed = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY} - set(_OWN_DRAFTER_ARGS)
     bad = sorted(set(options) - allowed)
     if bad:
-        raise TypeError(f"drafter_options: unknown or reserved Drafter argument(s) {', '.join(bad)} "
-                        f"(allowed: {', '.join(sorted(allowed))})")
+        raise TypeError(
+            f"drafter_options: unknown or reserved Drafter argument(s) {', '.join(bad)} "
+            f"(allowed: {', '.join(sorted(allowed))})"
+        )
 
 
 def _load_weights(drafter: Any, target: Path) -> tuple[DraftWeights, Any]:
@@ -119,14 +136,22 @@ def _load_weights(drafter: Any, target: Path) -> tuple[DraftWeights, Any]:
         if what == "default":
             raise IncompatibleDrafterError(
                 f"drafter=None uses the drafter shipped for SmolLM2-135M-Instruct, which does not fit {target.name} "
-                f"({e}); pass drafter= a dflash .gguf or checkpoint directory trained for this target") from e
+                f"({e}); pass drafter= a dflash .gguf or checkpoint directory trained for this target"
+            ) from e
         raise IncompatibleDrafterError(f"drafter: {e}") from e
     return weights, gguf
 
 
-def speculative_llama(model_path: str | os.PathLike[str], drafter: Any = None, *, draft_max: int | None = None,
-                      p_min: float = 0.0, n_threads: int | None = None,
-                      drafter_options: Mapping[str, Any] | None = None, **llama_kwargs: Any) -> Any:
+def speculative_llama(
+    model_path: str | os.PathLike[str],
+    drafter: Any = None,
+    *,
+    draft_max: int | None = None,
+    p_min: float = 0.0,
+    n_threads: int | None = None,
+    drafter_options: Mapping[str, Any] | None = None,
+    **llama_kwargs: Any,
+) -> Any:
     """A `llama_cpp.Llama` for the target GGUF `model_path` whose generate(), create_completion()
     and create_chat_completion() speculate with a DFlash drafter (lossless: the Llama verifies
     every draft and keeps only what it would have sampled itself).
@@ -155,8 +180,10 @@ def speculative_llama(model_path: str | os.PathLike[str], drafter: Any = None, *
     try:
         import llama_cpp
     except ImportError as e:
-        raise ImportError("speculative_llama needs llama-cpp-python: pip install 'pyggml_dkv[llama]' "
-                          "(or bash scripts/install_llama_cpp.sh)") from e
+        raise ImportError(
+            "speculative_llama needs llama-cpp-python: pip install 'pyggml_dkv[llama]' "
+            "(or bash scripts/install_llama_cpp.sh)"
+        ) from e
     _check_llama_kwargs(llama_cpp.Llama, llama_kwargs)
     options = dict(drafter_options or {})
     if options:

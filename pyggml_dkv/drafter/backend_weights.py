@@ -1,4 +1,10 @@
-"""BackendWeights: a drafter's parameters uploaded once into backend buffers."""
+"""BackendWeights: a drafter's parameters uploaded once into backend buffers, and single matrices
+(an lm_head, a token embedding, a file's stored blocks) uploaded into buffers of their own.
+
+The upload side of the model layer: `pyggml_dkv.model` says what the weights are and imports
+without the compiled ggml; this module puts them on a ggml backend (`DraftWeights.to_backend`
+imports it when called).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,27 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from .config import DraftConfig
-from ..ggml import (TYPE_NAMES, Backend, Buffer, Context, Tensor, amx_available, amx_fits, cpu_extra_buffer_types,
-                    cpu_repack_fits, ggml_type, lib, vnni_available, vnni_repack_fits)
-from .tensor_names import is_fold_in_matrix, is_norm, is_selector_codebook
+from ..ggml import (
+    TYPE_NAMES,
+    Backend,
+    Buffer,
+    Context,
+    Tensor,
+    amx_available,
+    amx_fits,
+    cpu_extra_buffer_types,
+    cpu_repack_fits,
+    ggml_type,
+    lib,
+    vnni_available,
+    vnni_repack_fits,
+)
+from ..model.config import DraftConfig
+from ..model.stored import StoredMatrix
+from ..model.tensor_names import is_fold_in_matrix, is_norm, is_selector_codebook
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .weights import DraftWeights
+    from ..model.weights import DraftWeights
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +119,8 @@ class BackendWeights:
     Those tensors cannot be read back (`Tensor.numpy()` raises); `host` still has the values.
     """
 
-    def __init__(self, weights: "DraftWeights", backend: Backend, dtype: str = "auto", repack: bool = True) -> None:
-        # what is needed of DraftWeights (checked by duck type: weights.py imports this module)
+    def __init__(self, weights: DraftWeights, backend: Backend, dtype: str = "auto", repack: bool = True) -> None:
+        # what is needed of DraftWeights (checked by duck type: DraftWeights.to_backend imports this module)
         if not isinstance(weights, Mapping) or not isinstance(getattr(weights, "cfg", None), DraftConfig):
             raise TypeError(f"expected DraftWeights, got {type(weights).__name__}")
         if dtype == "auto":
@@ -112,7 +132,9 @@ class BackendWeights:
         cfg = weights.cfg
         if dtype == "q8_0":
             block = int(lib.ggml_blck_size(ggml_type("q8_0")))
-            odd = sorted({n for n, a in weights.items() if a.ndim == 2 and a.shape[1] % block and not is_selector_codebook(n)})
+            odd = sorted(
+                {n for n, a in weights.items() if a.ndim == 2 and a.shape[1] % block and not is_selector_codebook(n)}
+            )
             if odd:
                 raise ValueError(f"q8_0 needs every matrix's input width to be a multiple of {block}; not: {odd[:4]}")
         self.cfg: DraftConfig = cfg
@@ -128,15 +150,20 @@ class BackendWeights:
         types = {n: self._matrix_type(weights, n, dtype) for n, a in weights.items() if a.ndim == 2 and not is_norm(n)}
         # tables the graph reads rows of (DFlash-2's codebooks) are never repacked (get_rows reads plain rows)
         types.update({n: self._table_type(weights, n, dtype) for n in weights if is_selector_codebook(n)})
-        kinds = {n: repack_buffer(backend, types[n], *weights[n].shape, bulk=False)
-                 for n in types if not is_selector_codebook(n)} if repack else {}
-        bulk_kinds = {n: repack_buffer(backend, types[n], *weights[n].shape, bulk=True)
-                      for n in types if repack and is_fold_in_matrix(n)}
-        bulk_kinds = {n: k for n, k in bulk_kinds.items() if k is not None and k != kinds[n]}
-        kinds = {n: k for n, k in kinds.items() if k is not None}
+
+        def repack_kind(name: str, bulk: bool) -> str | None:
+            out_features, in_features = weights[name].shape
+            return repack_buffer(backend, types[name], out_features, in_features, bulk=bulk)
+
+        step_kinds = {n: repack_kind(n, bulk=False) for n in types if not is_selector_codebook(n)} if repack else {}
+        bulk_found = {n: repack_kind(n, bulk=True) for n in types if repack and is_fold_in_matrix(n)}
+        bulk_kinds = {n: k for n, k in bulk_found.items() if k is not None and k != step_kinds[n]}
+        kinds = {n: k for n, k in step_kinds.items() if k is not None}
         placed = [*kinds.values(), *bulk_kinds.values()]
         self.ctx = Context(n_tensors=len(weights) - len(kinds) + 1)
-        self.repacked_ctxs = {k: Context(n_tensors=placed.count(k) + 1) for k in ("AMX", "CPU_REPACK") if k in placed}
+        self.repacked_ctxs: dict[str, Context] = {
+            k: Context(n_tensors=placed.count(k) + 1) for k in ("AMX", "CPU_REPACK") if k in placed
+        }
         self.tensors: dict[str, Tensor] = {}
         for name, arr in weights.items():
             ty = types.get(name, "f32")
@@ -146,7 +173,8 @@ class BackendWeights:
         # the bulk appends' copies (where none is needed, a bulk append reads `tensors`)
         self.bulk_tensors: dict[str, Tensor] = {
             name: self.repacked_ctxs[kind].new_tensor(types[name], *reversed(weights[name].shape), name=name[-63:])
-            for name, kind in bulk_kinds.items()}
+            for name, kind in bulk_kinds.items()
+        }
         self.buffers: list[Buffer] = []
         if len(kinds) < len(weights):
             self.buffers.append(Buffer.alloc_ctx_tensors(self.ctx, backend))
@@ -164,8 +192,15 @@ class BackendWeights:
                 else:
                     t.set(arr)
         self.n_repacked = len(kinds)
-        log.debug("uploaded %d tensors (%.1f MiB, %s, %d repacked for %s) to %s",
-                  len(weights), self.nbytes / 2**20, dtype, self.n_repacked, "/".join(self.repack_kinds) or "-", backend.spec)
+        log.debug(
+            "uploaded %d tensors (%.1f MiB, %s, %d repacked for %s) to %s",
+            len(weights),
+            self.nbytes / 2**20,
+            dtype,
+            self.n_repacked,
+            "/".join(self.repack_kinds) or "-",
+            backend.spec,
+        )
 
     @staticmethod
     def _matrix_type(weights: DraftWeights, name: str, dtype: str) -> str:
@@ -180,7 +215,11 @@ class BackendWeights:
         table are read, not multiplied: no int8 product to gain, and a row's scale is one more error)."""
         if dtype == "native":
             stored = weights.stored.get(name)
-            return stored.type_name if stored is not None and stored.type_name in ("f32", "f16", "bf16") else NATIVE_FALLBACK
+            return (
+                stored.type_name
+                if stored is not None and stored.type_name in ("f32", "f16", "bf16")
+                else NATIVE_FALLBACK
+            )
         return dtype if dtype in ("f32", "f16", "bf16") else "f16"
 
     @property
@@ -204,7 +243,7 @@ class BackendWeights:
         return self.tensors[f"layers.{i}.{suffix}"]
 
     @property
-    def bulk(self) -> "BackendWeights | BulkWeights":
+    def bulk(self) -> BackendWeights | BulkWeights:
         """The weights as products of hundreds of rows read them (a bulk append's, the one-shot
         graph's context rows): the bulk copies where there are any (q8_0 on AMX CPUs: the fold-in's
         matrices on AMX tiles), else these same tensors."""
@@ -221,7 +260,7 @@ class BackendWeights:
         for ctx in self.repacked_ctxs.values():
             ctx.close()
 
-    def __enter__(self) -> "BackendWeights":
+    def __enter__(self) -> BackendWeights:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -253,8 +292,9 @@ class BulkWeights:
         return self[f"layers.{i}.{suffix}"]
 
 
-def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,
-                  matmul_only: bool = False) -> tuple[Tensor, Buffer]:
+def upload_matrix(
+    backend: Backend, array: np.ndarray, dtype: str, name: str, matmul_only: bool = False
+) -> tuple[Tensor, Buffer]:
     """Upload one (out, in) matrix (e.g. an lm_head or token embedding) into its own buffer.
 
     `matmul_only`: the matrix is only ever multiplied (an lm_head, not an embedding table read
@@ -280,8 +320,9 @@ def upload_matrix(backend: Backend, array: np.ndarray, dtype: str, name: str,
     return t, buf
 
 
-def matrix_in_own_buffer(backend: Backend, dtype: str, shape: tuple[int, int], name: str,
-                         matmul_only: bool) -> tuple[Tensor, Buffer]:
+def matrix_in_own_buffer(
+    backend: Backend, dtype: str, shape: tuple[int, int], name: str, matmul_only: bool
+) -> tuple[Tensor, Buffer]:
     """An empty (out, in) `dtype` matrix in a weights buffer of its own: a repacking one (AMX,
     VNNI; see repack_buffer, for a matrix a step's few rows multiply) when it is `matmul_only`
     and fits, an ordinary one otherwise."""
@@ -293,4 +334,23 @@ def matrix_in_own_buffer(backend: Backend, dtype: str, shape: tuple[int, int], n
     else:
         buf = Buffer.alloc_ctx_tensors(ctx, backend)
     buf.set_usage_weights()
+    return t, buf
+
+
+def upload_stored(
+    backend: Backend, matrix: StoredMatrix, name: str, matmul_only: bool = False
+) -> tuple[Tensor, Buffer]:
+    """Upload one stored matrix as-is into its own buffer (e.g. a GGUF drafter's token_embd /
+    output, to pass to DraftKvCache as `embed_tokens` / `lm_head`). Close the buffer, then the
+    tensor's context, when done.
+
+    `matmul_only`: the matrix is only ever multiplied (an lm_head, never an embedding table read
+    with get_rows), so its blocks may go to a repacking buffer (AMX, or the AVX512-VNNI q8_0
+    kernel) like BackendWeights' matrices; in an ordinary buffer a q8_0 lm_head runs ggml's
+    generic q8_0 product, several times slower on CPUs without AMX.
+    """
+    if not isinstance(matmul_only, bool):
+        raise TypeError(f"matmul_only must be a bool, got {type(matmul_only).__name__}")
+    t, buf = matrix_in_own_buffer(backend, matrix.type_name, matrix.shape, name, matmul_only)
+    t.set_bytes(np.ascontiguousarray(matrix.raw).reshape(-1))
     return t, buf
