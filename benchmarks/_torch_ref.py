@@ -25,8 +25,8 @@ import torch
 from dflash import model as dflash_model
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from pyggml_dkv.training.model import qwen3_config  # the same config the trainer builds
 from pyggml_dkv.model.weights import DraftWeights
+from pyggml_dkv.training.model import qwen3_config  # the same config the trainer builds
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

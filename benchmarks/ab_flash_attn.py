@@ -26,8 +26,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_step.py
 
 import numpy as np  # noqa: E402
 
-from pyggml_dkv.ggml import (DKV_BUFFER_TYPE, Backend, Buffer, Context, Gallocr, Graph,  # noqa: E402
-                             cpu_extra_buffer_types, dkv_buffer_available, flash_attn_kernel)
+from pyggml_dkv.ggml import (  # noqa: E402
+    DKV_BUFFER_TYPE,
+    Backend,
+    Buffer,
+    Context,
+    Gallocr,
+    Graph,
+    cpu_extra_buffer_types,
+    dkv_buffer_available,
+    flash_attn_kernel,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
@@ -44,8 +53,11 @@ class Attention:
         self.kvctx = Context(n_tensors=2 * COUNT)
         self.ks = [self.kvctx.new_tensor("f16", D, CACHE, KV_HEADS) for _ in range(COUNT)]
         self.vs = [self.kvctx.new_tensor("f16", D, CACHE, KV_HEADS) for _ in range(COUNT)]
-        self.kvbuf = (Buffer.alloc_ctx_tensors_from_buft(self.kvctx, cpu_extra_buffer_types()[DKV_BUFFER_TYPE], backend)
-                      if dkv else Buffer.alloc_ctx_tensors(self.kvctx, backend))
+        self.kvbuf = (
+            Buffer.alloc_ctx_tensors_from_buft(self.kvctx, cpu_extra_buffer_types()[DKV_BUFFER_TYPE], backend)
+            if dkv
+            else Buffer.alloc_ctx_tensors(self.kvctx, backend)
+        )
         for t in (*self.ks, *self.vs):
             t.set(rng.standard_normal((KV_HEADS, CACHE, D)).astype(np.float16))
         self.ictx = Context(n_tensors=2)
@@ -55,13 +67,15 @@ class Attention:
         self.q.set(rng.standard_normal((n_head, n_q, D)).astype(np.float32))
         visible = np.zeros((n_q, CACHE), bool)
         visible[:, :window] = True  # the window's rows
-        visible[:, CACHE - 32:CACHE - 16] = True  # the noise block's rows
+        visible[:, CACHE - 32 : CACHE - 16] = True  # the noise block's rows
         self.mask.set(np.where(visible, 0, -np.inf).astype(np.float16))
         size = 4 * COUNT + 8
         self.gctx = Context(n_tensors=size, graph_size=size)
         self.graph = Graph(self.gctx, size)
-        self.outs = [self.graph.expand(self.gctx.flash_attn_ext(self.q, k, v, self.mask, 1 / math.sqrt(D), prec_f32=True))
-                     for k, v in zip(self.ks, self.vs)]
+        self.outs = [
+            self.graph.expand(self.gctx.flash_attn_ext(self.q, k, v, self.mask, 1 / math.sqrt(D), prec_f32=True))
+            for k, v in zip(self.ks, self.vs)
+        ]
         self.galloc = Gallocr(backend)
         self.galloc.alloc_graph(self.graph)
         self.backend = backend
@@ -83,8 +97,12 @@ def main() -> None:
     args = ap.parse_args()
     if not dkv_buffer_available():
         raise SystemExit("this ggml has no CPU_DKV buffer type (GGML_PATCHES=none?): nothing to compare")
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; {args.threads} thread(s), median of {args.reps} alternated computes")
-    print(f"{'rows/head':>9} {'heads':>5} {'window':>6} {'ours':>6} {'ours us':>9} {'ggml us':>9} {'ours/ggml':>9} {'max |diff|':>10}")
+    print(
+        f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; {args.threads} thread(s), median of {args.reps} alternated computes"
+    )
+    print(
+        f"{'rows/head':>9} {'heads':>5} {'window':>6} {'ours':>6} {'ours us':>9} {'ggml us':>9} {'ours/ggml':>9} {'max |diff|':>10}"
+    )
     with Backend("cpu", n_threads=args.threads) as backend:
         for n_q, n_head, window in SHAPES:
             ours = Attention(backend, n_q, n_head, window, True, seed=1)
@@ -97,8 +115,10 @@ def main() -> None:
                 t_ours.append(ours.time_one())
                 t_ggml.append(ggml.time_one())
             a, b = statistics.median(t_ours), statistics.median(t_ggml)
-            print(f"{n_q:>9} {n_head:>5} {window:>6} {flash_attn_kernel(n_q):>6} {a * 1e6:9.1f} {b * 1e6:9.1f} {a / b:9.2f} {diff:10.2e}",
-                  flush=True)
+            print(
+                f"{n_q:>9} {n_head:>5} {window:>6} {flash_attn_kernel(n_q):>6} {a * 1e6:9.1f} {b * 1e6:9.1f} {a / b:9.2f} {diff:10.2e}",
+                flush=True,
+            )
             ours.close()
             ggml.close()
 

@@ -24,8 +24,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_step.py
 
 import numpy as np  # noqa: E402
 
-from pyggml_dkv.ggml import (DKV_BUFFER_TYPE, Backend, Buffer, Context, Gallocr, Graph,  # noqa: E402
-                             bf16_matmul_kernel, cpu_extra_buffer_types, dkv_buffer_available, f16_matmul_kernel)
+from pyggml_dkv.ggml import (  # noqa: E402
+    DKV_BUFFER_TYPE,
+    Backend,
+    Buffer,
+    Context,
+    Gallocr,
+    Graph,
+    bf16_matmul_kernel,
+    cpu_extra_buffer_types,
+    dkv_buffer_available,
+    f16_matmul_kernel,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
@@ -42,8 +52,11 @@ class Products:
         self.count = max(2, GRAPH_BYTES // (rows * k * 2))
         self.wctx = Context(n_tensors=self.count)
         self.weights = [self.wctx.new_tensor(wtype, k, rows) for _ in range(self.count)]
-        self.wbuf = (Buffer.alloc_ctx_tensors_from_buft(self.wctx, cpu_extra_buffer_types()[DKV_BUFFER_TYPE], backend)
-                     if dkv else Buffer.alloc_ctx_tensors(self.wctx, backend))
+        self.wbuf = (
+            Buffer.alloc_ctx_tensors_from_buft(self.wctx, cpu_extra_buffer_types()[DKV_BUFFER_TYPE], backend)
+            if dkv
+            else Buffer.alloc_ctx_tensors(self.wctx, backend)
+        )
         for w in self.weights:
             w.set(rng.standard_normal((rows, k), dtype=np.float32))
         self.xctx = Context(n_tensors=1)
@@ -76,8 +89,12 @@ def main() -> None:
     args = ap.parse_args()
     if not dkv_buffer_available():
         raise SystemExit("this ggml has no CPU_DKV buffer type (GGML_PATCHES=none?): nothing to compare")
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; {args.threads} thread(s), median of {args.reps} alternated computes")
-    print(f"{'type':5} {'rows x K':>12} {'cols':>4} {'kernel':>12} {'ours us':>9} {'ggml us':>9} {'ours/ggml':>9} {'ours G mul-add/s':>17}")
+    print(
+        f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; {args.threads} thread(s), median of {args.reps} alternated computes"
+    )
+    print(
+        f"{'type':5} {'rows x K':>12} {'cols':>4} {'kernel':>12} {'ours us':>9} {'ggml us':>9} {'ours/ggml':>9} {'ours G mul-add/s':>17}"
+    )
     with Backend("cpu", n_threads=args.threads) as backend:
         for wtype in args.types.split(","):
             for rows, k, columns in SHAPES:
@@ -93,8 +110,11 @@ def main() -> None:
                     t_ours.append(ours.time_one())
                     t_ggml.append(ggml.time_one())
                 a, b = statistics.median(t_ours), statistics.median(t_ggml)
-                print(f"{wtype:5} {rows:>5} x {k:<5} {columns:>4} {kernel:>12} {a * 1e6:9.1f} {b * 1e6:9.1f} {a / b:9.2f} "
-                      f"{rows * k * columns / a / 1e9:17.1f}", flush=True)
+                print(
+                    f"{wtype:5} {rows:>5} x {k:<5} {columns:>4} {kernel:>12} {a * 1e6:9.1f} {b * 1e6:9.1f} {a / b:9.2f} "
+                    f"{rows * k * columns / a / 1e9:17.1f}",
+                    flush=True,
+                )
                 ours.close()
                 ggml.close()
 

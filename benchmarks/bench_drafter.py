@@ -36,15 +36,20 @@ from pathlib import Path
 
 import numpy as np
 
-from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, LlamaTarget, SpeculativeGenerator,  # noqa: E402
-                                        compare_to_plain, ggml_drafter, plain_greedy)
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py: this script's folder is on sys.path)
+from pyggml_dkv.hosts.llama_cpp import (  # noqa: E402
+    GenerationConfig,
+    LlamaTarget,
+    SpeculativeGenerator,
+    compare_to_plain,
+    ggml_drafter,
+    plain_greedy,
+)
 from pyggml_dkv.hosts.llama_cpp.ngram import HybridDrafter, NgramDrafter  # noqa: E402
 from pyggml_dkv.hosts.pretrained import smollm2_drafter_path  # noqa: E402
 from pyggml_dkv.hosts.smollm2 import smollm2_gguf  # noqa: E402
 from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
 from pyggml_dkv.training.prompts import HELD_OUT_PROMPTS  # noqa: E402
-
-from machine import cpu_name  # noqa: E402  (benchmarks/machine.py: this script's folder is on sys.path)
 
 log = logging.getLogger("bench_drafter")
 OURS = ("dflash", "dflash_pmin", "ngram", "hybrid")
@@ -60,11 +65,15 @@ class LlamaSystems:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         def make(draft):
-            return llama_cpp.Llama(str(model), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                   draft_model=draft, verbose=False)
+            return llama_cpp.Llama(
+                str(model), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False
+            )
 
-        self.llms = {"plain": make(None), "pld4": make(LlamaPromptLookupDecoding(num_pred_tokens=4)),
-                     "pld10": make(LlamaPromptLookupDecoding(num_pred_tokens=10))}
+        self.llms = {
+            "plain": make(None),
+            "pld4": make(LlamaPromptLookupDecoding(num_pred_tokens=4)),
+            "pld10": make(LlamaPromptLookupDecoding(num_pred_tokens=10)),
+        }
         self.lowlevel = LlamaTarget(model, n_ctx=n_ctx, n_threads=threads)
 
     def run(self, name: str, prompt: list[int], max_tokens: int) -> dict:
@@ -83,10 +92,17 @@ class LlamaSystems:
 def our_run(gen: SpeculativeGenerator, prompt: np.ndarray, max_tokens: int) -> dict:
     res = gen.generate(prompt, GenerationConfig(max_tokens=max_tokens))
     st = res.stats
-    return {"tokens": int(res.tokens.size), "seconds": st.total_s, "rounds": len(st.rounds),
-            "emitted": sum(r.n_emitted for r in st.rounds), "histogram": st.histogram(),
-            "drafted": sum(r.n_draft for r in st.rounds), "draft_s": sum(r.draft_s for r in st.rounds),
-            "verify_s": sum(r.verify_s for r in st.rounds), "result": res}
+    return {
+        "tokens": int(res.tokens.size),
+        "seconds": st.total_s,
+        "rounds": len(st.rounds),
+        "emitted": sum(r.n_emitted for r in st.rounds),
+        "histogram": st.histogram(),
+        "drafted": sum(r.n_draft for r in st.rounds),
+        "draft_s": sum(r.draft_s for r in st.rounds),
+        "verify_s": sum(r.verify_s for r in st.rounds),
+        "result": res,
+    }
 
 
 def verify_costs(target: LlamaTarget, prompt: np.ndarray, ks: list[int], reps: int) -> dict[int, float]:
@@ -143,20 +159,25 @@ def main(argv: list[str] | None = None) -> int:
     weights = DraftWeights.from_pretrained(drafter_path)
     cfg = weights.cfg
     target = LlamaTarget(model, n_ctx=2048, n_threads=args.threads, capture_layers=cfg.target_layer_ids)
-    drafters = {"dflash": ggml_drafter(weights, str(model)),
-                "dflash_pmin": ggml_drafter(weights, str(model), p_min=args.p_min)}
+    drafters = {
+        "dflash": ggml_drafter(weights, str(model)),
+        "dflash_pmin": ggml_drafter(weights, str(model), p_min=args.p_min),
+    }
     drafters["ngram"] = NgramDrafter(cfg, drafters["dflash"].vocab)
     drafters["hybrid"] = HybridDrafter(ggml_drafter(weights, str(model)))
     gens = {name: SpeculativeGenerator(target, d) for name, d in drafters.items()}
     llama = LlamaSystems(model, args.threads, 2048) if any(s in LLAMA for s in systems) else None
-    prompts = [target.tokenize(target.chat_prompt(p)) for p in HELD_OUT_PROMPTS[:args.prompts]]
-    print(f"CPU: {cpu_name()}, {args.threads} threads; drafter {drafter_path} (block {cfg.block_size}, "
-          f"{cfg.n_layer} layers); {len(prompts)} held-out prompts x {args.max_tokens} tokens", flush=True)
+    prompts = [target.tokenize(target.chat_prompt(p)) for p in HELD_OUT_PROMPTS[: args.prompts]]
+    print(
+        f"CPU: {cpu_name()}, {args.threads} threads; drafter {drafter_path} (block {cfg.block_size}, "
+        f"{cfg.n_layer} layers); {len(prompts)} held-out prompts x {args.max_tokens} tokens",
+        flush=True,
+    )
 
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     lossless = {"checked": 0, "identical": 0, "near_tie_divergence": 0, "violations": 0}
     for i, prompt in enumerate(prompts):
-        order = systems[i % len(systems):] + systems[:i % len(systems)]
+        order = systems[i % len(systems) :] + systems[: i % len(systems)]
         for name in order:
             if name in LLAMA:
                 runs[name].append(llama.run(name, prompt.tolist(), args.max_tokens))
@@ -177,13 +198,17 @@ def main(argv: list[str] | None = None) -> int:
         for x in r:
             x.pop("result", None)
 
-    print("\n| system | tokens/round | histogram (accepted 0..) | drafted/round | draft ms | verify ms | tokens/s | vs plain | vs plain_ll |")
+    print(
+        "\n| system | tokens/round | histogram (accepted 0..) | drafted/round | draft ms | verify ms | tokens/s | vs plain | vs plain_ll |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for row in table:
-        print(f"| {row['system']} | {row.get('tokens_per_round', float('nan')):.2f} | {row.get('histogram', '')} | "
-              f"{row.get('drafted_per_round', float('nan')):.1f} | {row.get('draft_ms', float('nan')):.1f} | "
-              f"{row.get('verify_ms', float('nan')):.1f} | {row['tokens_per_s']:.1f} | {row.get('vs_plain', float('nan')):.2f} | "
-              f"{row.get('vs_plain_ll', float('nan')):.2f} |")
+        print(
+            f"| {row['system']} | {row.get('tokens_per_round', float('nan')):.2f} | {row.get('histogram', '')} | "
+            f"{row.get('drafted_per_round', float('nan')):.1f} | {row.get('draft_ms', float('nan')):.1f} | "
+            f"{row.get('verify_ms', float('nan')):.1f} | {row['tokens_per_s']:.1f} | {row.get('vs_plain', float('nan')):.2f} | "
+            f"{row.get('vs_plain_ll', float('nan')):.2f} |"
+        )
     print(f"lossless (dflash vs plain greedy): {lossless}")
     if "hybrid" in systems:
         print(f"hybrid rounds: {drafters['hybrid'].rounds}")
@@ -200,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         draft_ms = dflash_row["draft_ms"]
         t1 = 1e3 * costs[1]
         print(f"draft step {draft_ms:.1f} ms; plain decoding {t1:.1f} ms/token")
-        print("| drafts verified | expected tokens/round | CPU ms/token (measured costs) | vs plain | memory-bound target vs plain |")
+        print(
+            "| drafts verified | expected tokens/round | CPU ms/token (measured costs) | vs plain | memory-bound target vs plain |"
+        )
         print("|---|---|---|---|---|")
         rows = []
         for d in range(1, cfg.block_size):
@@ -212,12 +239,27 @@ def main(argv: list[str] | None = None) -> int:
             # memory-bound target: verifying d + 1 tokens costs what decoding one does (t1); the draft
             # step keeps its measured cost relative to t1
             mem = (draft_ms + t1) / expect
-            rows.append({"d": d, "tokens_per_round": expect, "cpu_ms_per_token": cpu, "cpu_vs_plain": t1 / cpu,
-                         "memory_bound_vs_plain": t1 / mem})
+            rows.append(
+                {
+                    "d": d,
+                    "tokens_per_round": expect,
+                    "cpu_ms_per_token": cpu,
+                    "cpu_vs_plain": t1 / cpu,
+                    "memory_bound_vs_plain": t1 / mem,
+                }
+            )
             print(f"| {d} | {expect:.2f} | {cpu:.1f} | {t1 / cpu:.2f} | {t1 / mem:.2f} |")
         model_out.update(draft_ms=draft_ms, plain_ms=t1, by_draft_length=rows)
-    report = {"cpu": cpu_name(), "threads": args.threads, "drafter": str(drafter_path), "prompts": len(prompts),
-              "max_tokens": args.max_tokens, "table": table, "lossless": lossless, "cost_model": model_out}
+    report = {
+        "cpu": cpu_name(),
+        "threads": args.threads,
+        "drafter": str(drafter_path),
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "table": table,
+        "lossless": lossless,
+        "cost_model": model_out,
+    }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     if args.plot:
@@ -235,8 +277,10 @@ def plot(report: dict, path: Path) -> None:
     rows = report["table"]
     a.bar([r["system"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:blue")
     a.set_ylabel("tokens/s (end to end)")
-    a.set_title(f"SmolLM2-135M greedy, {report['prompts']} held-out prompts\n{report['cpu']}, {report['threads']} threads",
-                fontsize=9)
+    a.set_title(
+        f"SmolLM2-135M greedy, {report['prompts']} held-out prompts\n{report['cpu']}, {report['threads']} threads",
+        fontsize=9,
+    )
     a.tick_params(axis="x", rotation=30)
     d = next((r for r in rows if r["system"] == "dflash"), None)
     if d:

@@ -25,13 +25,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_step.py
 
 import numpy as np  # noqa: E402
 
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 from pyggml_dkv import Backend, Drafter, DraftWeights  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp.drafters import target_embeddings  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp.gguf import GGUFFile  # noqa: E402
 from pyggml_dkv.hosts.pretrained import smollm2_drafter_path  # noqa: E402
 from pyggml_dkv.hosts.smollm2 import smollm2_gguf  # noqa: E402
-
-from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 
 VARIANTS = {
     "head_q8_0": {},
@@ -50,8 +49,10 @@ def run(rounds: int, steps: int, threads: int) -> dict:
     times: dict[str, list[float]] = {k: [] for k in VARIANTS}
     equal: dict[str, list[float]] = {k: [] for k in VARIANTS}
     with Backend("cpu", n_threads=threads) as backend:
-        drafters = {k: Drafter(weights, embed_tokens=embed, lm_head=head, backend=backend, cap=512,
-                               weight_dtype="q8_0", **v) for k, v in VARIANTS.items()}
+        drafters = {
+            k: Drafter(weights, embed_tokens=embed, lm_head=head, backend=backend, cap=512, weight_dtype="q8_0", **v)
+            for k, v in VARIANTS.items()
+        }
         try:
             for d in drafters.values():
                 d.add_features(feats[:WINDOW])
@@ -62,7 +63,7 @@ def run(rounds: int, steps: int, threads: int) -> dict:
                     for name, d in drafters.items():
                         if d.committed > window:
                             d.rewind(window)
-                        d.add_features(feats[d.committed:window])
+                        d.add_features(feats[d.committed : window])
                         t0 = time.perf_counter()
                         drafts[name] = d.propose(7 + 13 * step)
                         if r or step >= 3:  # the first steps warm up
@@ -73,9 +74,20 @@ def run(rounds: int, steps: int, threads: int) -> dict:
             for d in drafters.values():
                 d.close()
     base = float(np.median(times["head_q8_0"]))
-    return {"cpu": cpu_name(), "threads": threads, "window": WINDOW,
-            "variants": {k: {"median_ms": 1e3 * float(np.median(t)), "over_q8_0_head": float(np.median(t)) / base,
-                             "ids_equal_to_f32_head": float(np.mean(equal[k])), "n": len(t)} for k, t in times.items()}}
+    return {
+        "cpu": cpu_name(),
+        "threads": threads,
+        "window": WINDOW,
+        "variants": {
+            k: {
+                "median_ms": 1e3 * float(np.median(t)),
+                "over_q8_0_head": float(np.median(t)) / base,
+                "ids_equal_to_f32_head": float(np.mean(equal[k])),
+                "n": len(t),
+            }
+            for k, t in times.items()
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,8 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     res = run(args.rounds, args.steps, args.threads)
-    print(f"shipped SmolLM2 drafter (q8_0), SmolLM2 head 49152 x 576, window ~{WINDOW}; {res['cpu']}, "
-          f"{args.threads} threads; median ms per greedy propose")
+    print(
+        f"shipped SmolLM2 drafter (q8_0), SmolLM2 head 49152 x 576, window ~{WINDOW}; {res['cpu']}, "
+        f"{args.threads} threads; median ms per greedy propose"
+    )
     print(f"{'head':>20} {'ms':>7} {'/ q8_0 head':>12} {'ids equal to f32 head':>22}")
     for name, v in res["variants"].items():
         print(f"{name:>20} {v['median_ms']:7.2f} {v['over_q8_0_head']:12.2f} {100 * v['ids_equal_to_f32_head']:21.1f}%")

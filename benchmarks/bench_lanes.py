@@ -48,15 +48,13 @@ set_omp_wait_policy(early_option(sys.argv[1:], "--omp-wait-policy", os.environ.g
 
 import numpy as np  # noqa: E402
 
-from pyggml_dkv import Backend, DraftKvCache, FeatureRing  # noqa: E402
-from pyggml_dkv.hosts.llama_cpp.native_dflash import llama_cpp_available, llama_dflash_bench  # noqa: E402
-from pyggml_dkv.model.backend_weights import upload_matrix  # noqa: E402
-from pyggml_dkv.model.stored import upload_stored  # noqa: E402
-from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
-
 from bench_llama_cpp import write_drafter  # noqa: E402
-from step_config import CONFIGS  # noqa: E402
 from machine import cpu_name  # noqa: E402
+from pyggml_dkv import Backend, DraftKvCache, FeatureRing  # noqa: E402
+from pyggml_dkv.drafter.backend_weights import upload_matrix, upload_stored  # noqa: E402
+from pyggml_dkv.hosts.llama_cpp.native_dflash import llama_cpp_available, llama_dflash_bench  # noqa: E402
+from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
+from step_config import CONFIGS  # noqa: E402
 
 log = logging.getLogger("bench_lanes")
 GOAL_VS_LLAMA = 0.5
@@ -85,15 +83,18 @@ class Ours:
     """Our side for one drafter: weights, token embedding and head uploaded once; from a GGUF
     (`path`) in its stored types, or random weights of a bench_step shape (`shape`) in `dtype`."""
 
-    def __init__(self, path: Path | None, threads: int, backend: str = "cpu", shape: str | None = None,
-                 dtype: str = "q8_0") -> None:
+    def __init__(
+        self, path: Path | None, threads: int, backend: str = "cpu", shape: str | None = None, dtype: str = "q8_0"
+    ) -> None:
         self.backend = Backend(backend, n_threads=threads) if backend == "cpu" else Backend(backend)
         self._owned = []
         if path is not None:
             self.g = DraftWeights.from_pretrained(path)
             self.bw = self.g.to_backend(self.backend, "native")
             self.emb, self.emb_buf = upload_stored(self.backend, self.g.stored["embed_tokens"], "embed_tokens")
-            self.head, self.head_buf = upload_stored(self.backend, self.g.stored["lm_head"], "lm_head", matmul_only=True)
+            self.head, self.head_buf = upload_stored(
+                self.backend, self.g.stored["lm_head"], "lm_head", matmul_only=True
+            )
         else:
             from pyggml_dkv import DraftConfig
 
@@ -126,8 +127,9 @@ class Ours:
         with self._cache(W, n) as multi:
             singles = [self._cache(W) for _ in range(n)]
             try:
-                multi.step_tokens([ring] * n, [W] * n, [self.tokens] * n, output="logits") if n > 1 else \
-                    multi.step_tokens(ring, W, self.tokens, output="logits")
+                multi.step_tokens(
+                    [ring] * n, [W] * n, [self.tokens] * n, output="logits"
+                ) if n > 1 else multi.step_tokens(ring, W, self.tokens, output="logits")
                 for c in singles:
                     c.step_tokens(ring, W, self.tokens, output="logits")
                 # every cache advances n_new rows at each of its own steps (the multi-lane cache
@@ -145,8 +147,12 @@ class Ours:
                         elif n == 1:
                             multi.step_tokens(ring, pos, self.tokens, output="ids" if name == "lanes_ids" else "logits")
                         else:
-                            multi.step_tokens([ring] * n, [pos] * n, [self.tokens] * n,
-                                              output="ids" if name == "lanes_ids" else "logits")
+                            multi.step_tokens(
+                                [ring] * n,
+                                [pos] * n,
+                                [self.tokens] * n,
+                                output="ids" if name == "lanes_ids" else "logits",
+                            )
                         if k >= warmup:
                             samples[name].append(time.perf_counter() - t0)
             finally:
@@ -157,8 +163,12 @@ class Ours:
     def idle(self, W: int, n: int, n_new: int, reps: int, warmup: int) -> dict[str, list[float]]:
         """What idle lanes cost: an n-lane cache stepping a few active lanes (the others idle)
         against one single-lane step per active lane, at window W."""
-        sets = {"lane 0": [0], f"lanes 0-{n // 2 - 1}": list(range(n // 2)), f"lane {n - 1}": [n - 1],
-                f"lanes 0, {n - 1}": [0, n - 1]}
+        sets = {
+            "lane 0": [0],
+            f"lanes 0-{n // 2 - 1}": list(range(n // 2)),
+            f"lane {n - 1}": [n - 1],
+            f"lanes 0, {n - 1}": [0, n - 1],
+        }
         n_pos = W + (reps + warmup + 1) * n_new * len(sets) + 1
         ring = FeatureRing(n_pos, self.g.cfg.fc_in)
         ring.append(self.rng.standard_normal((n_pos, self.g.cfg.fc_in), dtype=np.float32))
@@ -176,9 +186,12 @@ class Ours:
                         act = sets[name]
                         for i in act:
                             committed[i] += n_new
-                        multi.step_tokens([ring if i in act else None for i in range(n)],
-                                          [committed[i] if i in act else None for i in range(n)],
-                                          [self.tokens if i in act else None for i in range(n)], output="logits")
+                        multi.step_tokens(
+                            [ring if i in act else None for i in range(n)],
+                            [committed[i] if i in act else None for i in range(n)],
+                            [self.tokens if i in act else None for i in range(n)],
+                            output="logits",
+                        )
                     else:
                         single_at += n_new
                         single.step_tokens(ring, single_at, self.tokens, output="logits")
@@ -192,18 +205,24 @@ class Ours:
 
 
 def report(results: dict, args: argparse.Namespace) -> None:
-    print(f"\nDFlash draft step for N requests: lanes vs N single-lane steps vs llama.cpp's N-sequence draft "
-          f"({args.n_new} new rows + one noise block with logits per request)")
+    print(
+        f"\nDFlash draft step for N requests: lanes vs N single-lane steps vs llama.cpp's N-sequence draft "
+        f"({args.n_new} new rows + one noise block with logits per request)"
+    )
     where = f"backend {args.backend}, " if args.backend != "cpu" else ""
     print(f"CPU: {results['cpu']}, {where}{args.threads} threads; median ms (p10)")
     for drafter, runs in results["runs"].items():
         print(f"\n{drafter} drafter, weights {args.dtype}")
-        print(f"{'N':>3} {'W':>6} {'lanes':>16} {'lanes_ids':>16} {'singles':>16} {'llama_fa':>16} {'llama_nofa':>16}"
-              f" {'lanes/singles':>13} {'lanes/llama':>12}")
+        print(
+            f"{'N':>3} {'W':>6} {'lanes':>16} {'lanes_ids':>16} {'singles':>16} {'llama_fa':>16} {'llama_nofa':>16}"
+            f" {'lanes/singles':>13} {'lanes/llama':>12}"
+        )
         for key, res in runs.items():
             n, W = (int(x) for x in key.split("x"))
-            cells = [f"{res[s]['median_ms']:7.2f} ({res[s]['p10_ms']:6.2f})" if s in res else f"{'-':>16}"
-                     for s in ("lanes", "lanes_ids", "singles", "llama_fa", "llama_nofa")]
+            cells = [
+                f"{res[s]['median_ms']:7.2f} ({res[s]['p10_ms']:6.2f})" if s in res else f"{'-':>16}"
+                for s in ("lanes", "lanes_ids", "singles", "llama_fa", "llama_nofa")
+            ]
             r_single = res["lanes"]["median_ms"] / res["singles"]["median_ms"]
             llama = [res[s]["median_ms"] for s in ("llama_fa", "llama_nofa") if s in res]
             r_llama = res["lanes"]["median_ms"] / min(llama) if llama else float("nan")
@@ -215,8 +234,10 @@ def report(results: dict, args: argparse.Namespace) -> None:
 
 
 def report_idle(results: dict, args: argparse.Namespace) -> None:
-    print(f"\nIdle lanes: a {args.idle}-lane cache stepping some lanes, the others idle, against one single-lane "
-          f"step (CPU: {results['cpu']}, {args.threads} threads; median ms, and per active lane / one single step)")
+    print(
+        f"\nIdle lanes: a {args.idle}-lane cache stepping some lanes, the others idle, against one single-lane "
+        f"step (CPU: {results['cpu']}, {args.threads} threads; median ms, and per active lane / one single step)"
+    )
     for drafter, runs in results["runs"].items():
         print(f"\n{drafter} drafter, weights {args.dtype}")
         for W, res in runs.items():
@@ -243,8 +264,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", default="cpu", help="our side's backend: cpu, cuda:0, ... (llama.cpp runs on the CPU)")
     ap.add_argument("--no-llama", action="store_true", help="our side only")
-    ap.add_argument("--idle", type=int, default=0, metavar="N",
-                    help="instead: what idle lanes cost in an N-lane cache (our side only)")
+    ap.add_argument(
+        "--idle",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: what idle lanes cost in an N-lane cache (our side only)",
+    )
     ap.add_argument("--omp-wait-policy", choices=("default", "active", "passive"), default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -260,10 +286,20 @@ def main(argv: list[str] | None = None) -> None:
     use_llama = not args.no_llama and not args.idle
     if use_llama and not llama_cpp_available():
         raise SystemExit("llama-cpp-python is not installed (pip install pyggml_dkv[llama]); or pass --no-llama")
-    results: dict = {"cpu": cpu_name(), "threads": args.threads, "n_new": args.n_new, "dtype": args.dtype,
-                     "backend": args.backend, "load_avg_start": os.getloadavg(), "runs": {}}
+    results: dict = {
+        "cpu": cpu_name(),
+        "threads": args.threads,
+        "n_new": args.n_new,
+        "dtype": args.dtype,
+        "backend": args.backend,
+        "load_avg_start": os.getloadavg(),
+        "runs": {},
+    }
     per_round = max(1, args.reps // args.rounds)
-    writers = {"small": lambda d: write_drafter(args.dtype, d), "smollm2": lambda d: write_smollm2_drafter(args.dtype, d)}
+    writers = {
+        "small": lambda d: write_drafter(args.dtype, d),
+        "smollm2": lambda d: write_smollm2_drafter(args.dtype, d),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for drafter in args.drafters:
             if drafter in writers:
@@ -273,8 +309,11 @@ def main(argv: list[str] | None = None) -> None:
                 path = None
                 ours = Ours(None, args.threads, args.backend, shape=drafter.removeprefix("random-"), dtype=args.dtype)
             else:
-                raise SystemExit(f"unknown drafter {drafter!r} (small, smollm2; or, with --no-llama, "
-                                 + ", ".join(f"random-{c}" for c in CONFIGS) + ")")
+                raise SystemExit(
+                    f"unknown drafter {drafter!r} (small, smollm2; or, with --no-llama, "
+                    + ", ".join(f"random-{c}" for c in CONFIGS)
+                    + ")"
+                )
             samples: dict[str, dict[str, list[float]]] = {}
             try:
                 for r in range(args.rounds if not args.idle else 0):
@@ -284,15 +323,34 @@ def main(argv: list[str] | None = None) -> None:
                                 samples.setdefault(f"{n}x{W}", {}).setdefault(name, []).extend(t)
                         if path is not None and use_llama:
                             for name, fa in (("llama_fa", True), ("llama_nofa", False)):
-                                times = llama_dflash_bench(path, args.windows, fc_in=ours.g.cfg.fc_in, q_len=ours.q_len,
-                                                           n_new=args.n_new, reps=per_round, warmup=args.warmup,
-                                                           flash_attn=fa, threads=args.threads, timeout=3600, n_seq=n)
+                                times = llama_dflash_bench(
+                                    path,
+                                    args.windows,
+                                    fc_in=ours.g.cfg.fc_in,
+                                    q_len=ours.q_len,
+                                    n_new=args.n_new,
+                                    reps=per_round,
+                                    warmup=args.warmup,
+                                    flash_attn=fa,
+                                    threads=args.threads,
+                                    timeout=3600,
+                                    n_seq=n,
+                                )
                                 for W, t in times.items():
                                     samples[f"{n}x{W}"].setdefault(name, []).extend(t)
-                        log.info("%s round %d/%d, %d lanes: %s", drafter, r + 1, args.rounds, n,
-                                 {k: {s: round(1e3 * float(np.median(t)), 1) for s, t in v.items()}
-                                  for k, v in samples.items() if k.startswith(f"{n}x")})
-                for r in range(args.rounds if args.idle else 0):
+                        log.info(
+                            "%s round %d/%d, %d lanes: %s",
+                            drafter,
+                            r + 1,
+                            args.rounds,
+                            n,
+                            {
+                                k: {s: round(1e3 * float(np.median(t)), 1) for s, t in v.items()}
+                                for k, v in samples.items()
+                                if k.startswith(f"{n}x")
+                            },
+                        )
+                for _ in range(args.rounds if args.idle else 0):
                     for W in args.windows:
                         for name, t in ours.idle(W, args.idle, args.n_new, per_round, args.warmup).items():
                             samples.setdefault(str(W), {}).setdefault(name, []).extend(t)

@@ -35,9 +35,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_step.py
 
 import numpy as np  # noqa: E402
 
-from pyggml_dkv.ggml import (Backend, Buffer, Context, Gallocr, Graph, cpu_features, cpu_repack_kernel,  # noqa: E402
-                             quantize)
-from pyggml_dkv.model.backend_weights import matrix_in_own_buffer, repack_buffer  # noqa: E402
+from pyggml_dkv.drafter.backend_weights import matrix_in_own_buffer, repack_buffer  # noqa: E402
+from pyggml_dkv.ggml import Backend, Buffer, Context, Gallocr, Graph, cpu_features, cpu_repack_kernel, quantize  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
@@ -145,14 +144,25 @@ def bench_type(backends: dict[int, Backend], type_name: str, columns: int, args:
         for obj in reversed(owned):
             obj.close()
     med = {k: float(np.median(v)) for k, v in samples.items()}
-    out: dict = {"type": type_name, "columns": columns, "kernel": kernel_name(backends[many], type_name, ROWS[-1], K),
-                 "bytes_per_weight": bytes_per_weight, "stream_matrices": n_stream,
-                 "stream_mb": n_stream * raw[ROWS[-1]].nbytes / 2**20, "median_us": med, "threads": {}}
+    out: dict = {
+        "type": type_name,
+        "columns": columns,
+        "kernel": kernel_name(backends[many], type_name, ROWS[-1], K),
+        "bytes_per_weight": bytes_per_weight,
+        "stream_matrices": n_stream,
+        "stream_mb": n_stream * raw[ROWS[-1]].nbytes / 2**20,
+        "median_us": med,
+        "threads": {},
+    }
     for n in backends:
         us = [med[f"hot_{r}_t{n}"] for r in ROWS]
         fixed, per_1000 = line_fit((ROWS[0], ROWS[1]), (us[0], us[1]))
-        out["threads"][n] = {"hot_us": dict(zip(ROWS, us)), "fixed_us": fixed, "us_per_1000_rows": per_1000,
-                             "gmacs_hot": {r: r * K * columns / u / 1e3 for r, u in zip(ROWS, us)}}
+        out["threads"][n] = {
+            "hot_us": dict(zip(ROWS, us)),
+            "fixed_us": fixed,
+            "us_per_1000_rows": per_1000,
+            "gmacs_hot": {r: r * K * columns / u / 1e3 for r, u in zip(ROWS, us)},
+        }
     if many > 1:
         out["speedup"] = {r: med[f"hot_{r}_t1"] / med[f"hot_{r}_t{many}"] for r in ROWS}
     out["streamed_us"] = med[f"streamed_t{many}"]
@@ -163,10 +173,15 @@ def bench_type(backends: dict[int, Backend], type_name: str, columns: int, args:
 
 
 def report(results: list[dict], threads: int) -> None:
-    print(f"\nproducts of K = {K} inputs, one thread and {threads}; medians, us a product; fixed: the line through "
-          f"R = {ROWS[0]} and {ROWS[1]} at 0 rows; G mac/s: R = {ROWS[-1]} hot on {threads} threads")
-    head = (f"{'type':>5} {'cols':>4} | " + " ".join(f"{'R=' + str(r) + ' 1t/' + str(threads) + 't':>17}" for r in ROWS)
-            + f" | {'fixed 1t/' + str(threads) + 't':>14} | {'G mac/s':>7} | {'streamed/hot':>12} {'GB/s':>5} | kernel")
+    print(
+        f"\nproducts of K = {K} inputs, one thread and {threads}; medians, us a product; fixed: the line through "
+        f"R = {ROWS[0]} and {ROWS[1]} at 0 rows; G mac/s: R = {ROWS[-1]} hot on {threads} threads"
+    )
+    head = (
+        f"{'type':>5} {'cols':>4} | "
+        + " ".join(f"{'R=' + str(r) + ' 1t/' + str(threads) + 't':>17}" for r in ROWS)
+        + f" | {'fixed 1t/' + str(threads) + 't':>14} | {'G mac/s':>7} | {'streamed/hot':>12} {'GB/s':>5} | kernel"
+    )
     print(head)
     print("-" * len(head))
     for res in results:
@@ -177,9 +192,11 @@ def report(results: list[dict], threads: int) -> None:
         # intercept): before 0043 bf16 on AMX tiles read 57 us on two threads against -3 on one
         if threads > 1 and tn["fixed_us"] - t1["fixed_us"] > 0.5 * t1["hot_us"][ROWS[0]]:
             flag = f"  <- a cost per product that {threads} threads add"
-        print(f"{res['type']:>5} {res['columns']:>4} | {cells} | {t1['fixed_us']:>6.1f}/{tn['fixed_us']:<7.1f} | "
-              f"{tn['gmacs_hot'][ROWS[-1]]:>7.0f} | {res['streamed_over_hot']:>12.2f} {res['gbs_streamed']:>5.1f} | "
-              f"{res['kernel']}{flag}")
+        print(
+            f"{res['type']:>5} {res['columns']:>4} | {cells} | {t1['fixed_us']:>6.1f}/{tn['fixed_us']:<7.1f} | "
+            f"{tn['gmacs_hot'][ROWS[-1]]:>7.0f} | {res['streamed_over_hot']:>12.2f} {res['gbs_streamed']:>5.1f} | "
+            f"{res['kernel']}{flag}"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -190,8 +207,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=10, help="graph computes per measurement and round")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of every measurement")
     ap.add_argument("--stream-mb", type=float, default=128, help="bytes of distinct matrices streamed (default 128)")
-    ap.add_argument("--work-mweights", type=float, default=12,
-                    help="million weights multiplied per hot graph compute (default 12)")
+    ap.add_argument(
+        "--work-mweights", type=float, default=12, help="million weights multiplied per hot graph compute (default 12)"
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     args.type_list = [t.strip().lower() for t in args.types.split(",") if t.strip()]
@@ -214,8 +232,10 @@ def main(argv: list[str] | None = None) -> None:
     counts = sorted({1, args.threads})
     backends = {n: Backend("cpu", n_threads=n) for n in counts}
     try:
-        print(f"CPU: {cpu_name()}, features {', '.join(k for k, v in cpu_features().items() if v)}; "
-              f"load average {os.getloadavg()[0]:.1f} at the start")
+        print(
+            f"CPU: {cpu_name()}, features {', '.join(k for k, v in cpu_features().items() if v)}; "
+            f"load average {os.getloadavg()[0]:.1f} at the start"
+        )
         results = []
         for type_name in args.type_list:
             for columns in args.column_list:
@@ -223,10 +243,16 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{type_name} x {columns} columns done", flush=True)
         report(results, max(counts))
         if args.json:
-            Path(args.json).write_text(json.dumps({"machine": {"cpu": cpu_name(), "features": cpu_features(),
-                                                               "threads": max(counts)},
-                                                   "args": {k: v for k, v in vars(args).items()},
-                                                   "results": results}, indent=1))
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "machine": {"cpu": cpu_name(), "features": cpu_features(), "threads": max(counts)},
+                        "args": {k: v for k, v in vars(args).items()},
+                        "results": results,
+                    },
+                    indent=1,
+                )
+            )
             print(f"JSON written to {args.json}")
     finally:
         for be in backends.values():

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before ggml loads (see docs/hardening.md)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before ggml loads (see docs/rpc.md)
 
 import numpy as np  # noqa: E402
 
@@ -41,8 +41,9 @@ from pyggml_dkv.serving.traffic import CountingRelay  # noqa: E402
 CAP = 4096
 CONFIGS = {
     "toy": DraftConfig.toy(),
-    "small": DraftConfig(hidden=1024, n_layer=5, n_head=16, n_head_kv=4, head_dim=64, ffn=3072, block_size=16,
-                         n_target_layers=5),
+    "small": DraftConfig(
+        hidden=1024, n_layer=5, n_head=16, n_head_kv=4, head_dim=64, ffn=3072, block_size=16, n_target_layers=5
+    ),
 }
 
 
@@ -74,7 +75,7 @@ class Run:
     def steps(self, commits: list[int], noise: np.ndarray, on_step=None) -> tuple[list[float], list[np.ndarray]]:  # noqa: ANN001
         ring = FeatureRing(CAP + 64, self.cfg.fc_in)
         self.cache.reset()
-        ring.append(self.feats[:commits[0] - 1])
+        ring.append(self.feats[: commits[0] - 1])
         self._step(ring, commits[0] - 1, noise)  # the bulk fill up to the first step, not timed
         written = commits[0] - 1
         times, outs = [], []
@@ -118,8 +119,11 @@ def main() -> int:
             feats = np.random.default_rng(1).standard_normal((max(windows) + 64, cfg.fc_in)).astype(np.float32)
             noise = np.random.default_rng(2).standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
             n_new = args.n_new or cfg.block_size // 2 + 1
-            embed = (np.random.default_rng(3).standard_normal((1000, cfg.hidden)).astype(np.float32)
-                     if args.inputs == "tokens" else None)
+            embed = (
+                np.random.default_rng(3).standard_normal((1000, cfg.hidden)).astype(np.float32)
+                if args.inputs == "tokens"
+                else None
+            )
             local = Run(Backend("cpu", n_threads=args.threads), weights, feats, embed)
             for w in windows:
                 commits = [c for c in (w - i * n_new for i in reversed(range(args.reps))) if c >= 2]
@@ -132,7 +136,7 @@ def main() -> int:
                     def count(mark=None):  # noqa: ANN001, ANN202
                         if mark is None:
                             return relay.snapshot()
-                        per_step.append(relay.since(mark))
+                        per_step.append(relay.since(mark))  # noqa: B023 (called within this iteration)
                         return None
 
                     counted.steps(commits, noise, count)
@@ -150,15 +154,25 @@ def main() -> int:
                 identical = all(np.array_equal(a, b) for a, b in zip(o_local, o_rpc))
                 remote.close()
                 remote_be.close()
-                row = {"config": name, "window": w, "n_new": n_new, "inputs": args.inputs, "threads": args.threads,
-                       "steps": len(commits),
-                       "local": stats_ms(t_local + t_local2), "rpc": stats_ms(t_rpc + t_rpc2),
-                       "rpc_sent_bytes_per_step": sent, "rpc_received_bytes_per_step": received,
-                       "bit_identical": identical}
+                row = {
+                    "config": name,
+                    "window": w,
+                    "n_new": n_new,
+                    "inputs": args.inputs,
+                    "threads": args.threads,
+                    "steps": len(commits),
+                    "local": stats_ms(t_local + t_local2),
+                    "rpc": stats_ms(t_rpc + t_rpc2),
+                    "rpc_sent_bytes_per_step": sent,
+                    "rpc_received_bytes_per_step": received,
+                    "bit_identical": identical,
+                }
                 results.append(row)
-                print(f"{name:6} W={w:5} n_new={n_new} {args.inputs:6}  local {row['local']['median_ms']:8.2f} ms   rpc {row['rpc']['median_ms']:8.2f} ms"
-                      f"   sent {sent / 1024:7.1f} KiB  received {received / 1024:6.1f} KiB  identical={identical}",
-                      flush=True)
+                print(
+                    f"{name:6} W={w:5} n_new={n_new} {args.inputs:6}  local {row['local']['median_ms']:8.2f} ms   rpc {row['rpc']['median_ms']:8.2f} ms"
+                    f"   sent {sent / 1024:7.1f} KiB  received {received / 1024:6.1f} KiB  identical={identical}",
+                    flush=True,
+                )
             local.close()
             local.backend.close()
     if args.json:

@@ -60,8 +60,9 @@ def free_port() -> int:
 
 
 def start(cmd: list[str], port: int, log_path: Path, timeout: float = 300.0) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -86,34 +87,75 @@ def stop(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
-def commands(name: str, port: int, model: Path, drafter: Path, llama_server: str | None, threads: int,
-             parallel: int, ctx: int) -> list[str] | None:
+def commands(
+    name: str, port: int, model: Path, drafter: Path, llama_server: str | None, threads: int, parallel: int, ctx: int
+) -> list[str] | None:
     py = sys.executable
     if name in ("ours_spec", "ours_plain"):
-        return [py, "-m", "pyggml_dkv.serve", "--port", str(port), "--threads", str(threads), "--parallel", str(parallel),
-                "--ctx-size", str(ctx), "--log-level", "warning", "--max-queue", "64",
-                *(["--drafter", "none"] if name == "ours_plain" else [])]
+        return [
+            py,
+            "-m",
+            "pyggml_dkv.serve",
+            "--port",
+            str(port),
+            "--threads",
+            str(threads),
+            "--parallel",
+            str(parallel),
+            "--ctx-size",
+            str(ctx),
+            "--log-level",
+            "warning",
+            "--max-queue",
+            "64",
+            *(["--drafter", "none"] if name == "ours_plain" else []),
+        ]
     if name in ("llama_server", "llama_dflash"):
         if llama_server is None:
             return None
-        cmd = [llama_server, "-m", str(model), "--port", str(port), "-t", str(threads), "-tb", str(threads),
-               "-np", str(parallel), "-c", str(ctx * parallel), "--log-disable"]
+        cmd = [
+            llama_server,
+            "-m",
+            str(model),
+            "--port",
+            str(port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-np",
+            str(parallel),
+            "-c",
+            str(ctx * parallel),
+            "--log-disable",
+        ]
         if name == "llama_dflash":
             cmd += ["--spec-type", "draft-dflash", "-md", str(drafter), "--spec-draft-n-max", "7"]
         return cmd
     if name == "llama_cpp_py":
-        return [py, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port), "--n_threads", str(threads),
-                "--n_ctx", str(ctx)]
+        return [
+            py,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--n_threads",
+            str(threads),
+            "--n_ctx",
+            str(ctx),
+        ]
     raise ValueError(name)
 
 
-def run_load(base: str, prompts: tuple[str, ...], clients: int, requests: int, max_tokens: int,
-             tag: str = "") -> dict:
+def run_load(base: str, prompts: tuple[str, ...], clients: int, requests: int, max_tokens: int, tag: str = "") -> dict:
     """C clients, each sending `requests` chat requests in turn; aggregate tokens/s and latencies.
     With a `tag`, each request's message starts with its own label ("[tag.client.request] "): no
     two requests of a run are the same prompt, as in real traffic. (llama-server keeps earlier
     prompts in a host-memory cache across its slots and would otherwise skip the whole prefill
     of a prompt it saw in an earlier round; both servers still reuse the chat template's preamble.)"""
+
     def client(c: int) -> list[tuple[int, float]]:
         out = []
         with httpx.Client(timeout=600) as http:
@@ -122,9 +164,15 @@ def run_load(base: str, prompts: tuple[str, ...], clients: int, requests: int, m
                 if tag:
                     prompt = f"[{tag}.{c}.{r}] {prompt}"
                 t0 = time.perf_counter()
-                resp = http.post(base + "/v1/chat/completions", json={
-                    "model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                    "temperature": 0})
+                resp = http.post(
+                    base + "/v1/chat/completions",
+                    json={
+                        "model": "m",
+                        "messages": [{"role": "user", "content": prompt}],
+                        "max_tokens": max_tokens,
+                        "temperature": 0,
+                    },
+                )
                 resp.raise_for_status()
                 out.append((int(resp.json()["usage"]["completion_tokens"]), time.perf_counter() - t0))
         return out
@@ -143,13 +191,21 @@ def merge_loads(parts: list[dict]) -> dict:
     tokens = sum(p["tokens"] for p in parts)
     wall = sum(p["wall_s"] for p in parts)
     lat = np.array([x for p in parts for x in p["latencies_s"]])
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "rounds": len(parts),
-            "latency_p50_s": float(np.median(lat)), "latency_p90_s": float(np.percentile(lat, 90))}
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "rounds": len(parts),
+        "latency_p50_s": float(np.median(lat)),
+        "latency_p90_s": float(np.percentile(lat, 90)),
+    }
 
 
 def report(results: dict, args: argparse.Namespace) -> None:
-    print(f"\nOpenAI-compatible servers, SmolLM2-135M-Instruct, {args.threads} threads, {args.requests} requests of "
-          f"{args.max_tokens} tokens per client, greedy; CPU: {results['cpu']}")
+    print(
+        f"\nOpenAI-compatible servers, SmolLM2-135M-Instruct, {args.threads} threads, {args.requests} requests of "
+        f"{args.max_tokens} tokens per client, greedy; CPU: {results['cpu']}"
+    )
     systems = [s for s in args.systems if s in results["runs"]]
     for kind in args.kinds:
         print(f"\n{kind} prompts: aggregate tokens/s (median latency s)")
@@ -199,7 +255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parallel", type=int, default=4, help="sequences of the servers that batch")
     ap.add_argument("--ctx", type=int, default=1024, help="positions per request")
-    ap.add_argument("--llama-server", default=None, help="the llama-server binary (default: scripts/build_llama_server.sh)")
+    ap.add_argument(
+        "--llama-server", default=None, help="the llama-server binary (default: scripts/build_llama_server.sh)"
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
@@ -220,15 +278,28 @@ def main(argv: list[str] | None = None) -> None:
     model, drafter = smollm2_gguf(), smollm2_drafter_path()
     server = args.llama_server
     if server is None and any(s.startswith("llama_") and s != "llama_cpp_py" for s in args.systems):
-        built = subprocess.run(["bash", str(ROOT / "scripts/build_llama_server.sh")], capture_output=True, text=True,
-                               env={**os.environ, "PYTHON": sys.executable})
+        built = subprocess.run(
+            ["bash", str(ROOT / "scripts/build_llama_server.sh")],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHON": sys.executable},
+        )
         server = built.stdout.strip() if built.returncode == 0 else None
         if server is None:
             log.warning("llama-server unavailable, its systems are left out: %s", built.stderr[-500:])
     prompts = {"chat": tuple(HELD_OUT_PROMPTS[:8]), "code": CODE_PROMPTS}
-    results: dict = {"cpu": cpu_name(), "cpu_id": cpu_family_model(), "commit": git_commit(), "threads": args.threads,
-                     "max_tokens": args.max_tokens, "requests": args.requests, "parallel": args.parallel, "rounds": args.rounds,
-                     "warmup": args.warmup, "runs": {}}
+    results: dict = {
+        "cpu": cpu_name(),
+        "cpu_id": cpu_family_model(),
+        "commit": git_commit(),
+        "threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "requests": args.requests,
+        "parallel": args.parallel,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "runs": {},
+    }
     # every system is started first and left running; each (kind, clients) cell then measures the
     # systems in turn, `--rounds` times in a rotating order, so that the machine's drift over minutes
     # falls on all of them alike (an idle server costs nothing: each waits on a condition or a socket)
@@ -250,14 +321,23 @@ def main(argv: list[str] | None = None) -> None:
             for c in args.clients:
                 parts: dict[str, list[dict]] = {n: [] for n in names}
                 for r in range(args.rounds):
-                    for name in names[r % len(names):] + names[:r % len(names)]:
-                        parts[name].append(run_load(bases[name], prompts[kind], c, args.requests, args.max_tokens,
-                                                    tag=f"{kind}{c}.{r}"))
+                    for name in names[r % len(names) :] + names[: r % len(names)]:
+                        parts[name].append(
+                            run_load(
+                                bases[name], prompts[kind], c, args.requests, args.max_tokens, tag=f"{kind}{c}.{r}"
+                            )
+                        )
                 for name in names:
                     res = merge_loads(parts[name])
                     results["runs"].setdefault(name, {}).setdefault(kind, {})[str(c)] = res
-                    log.info("%s %s %d clients: %.1f tokens/s, p50 %.2f s", name, kind, c, res["tokens_per_s"],
-                             res["latency_p50_s"])
+                    log.info(
+                        "%s %s %d clients: %.1f tokens/s, p50 %.2f s",
+                        name,
+                        kind,
+                        c,
+                        res["tokens_per_s"],
+                        res["latency_p50_s"],
+                    )
     report(results, args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

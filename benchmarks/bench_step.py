@@ -96,7 +96,6 @@ import sys
 import time
 from pathlib import Path
 
-
 # ---------------------------------------------------------------------------- thread env (before numpy)
 from machine import early_option, set_omp_wait_policy  # noqa: E402  (benchmarks/machine.py: standard library only)
 
@@ -117,59 +116,98 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from pyggml_dkv.ggml import cpu_features, cuda_graph_stats  # noqa: E402
-from peak_probe import probe_peaks, probe_read_bandwidth  # noqa: E402
+import step_report  # noqa: E402
 from machine import cpu_name  # noqa: E402
+from peak_probe import probe_peaks, probe_read_bandwidth  # noqa: E402
+from pyggml_dkv.ggml import cpu_features, cuda_graph_stats  # noqa: E402
 from step_config import (  # noqa: E402
     CAP,
     CONFIGS,
     DEFAULT_ONESHOT_REPS,
     DEFAULT_REPS,
-    log,
     OPTIONAL_SYSTEMS,
     SYSTEMS,
     TORCH_SYSTEMS,
     WINDOWS,
+    log,
 )
 from step_probes import probe_bandwidth, probe_matmul  # noqa: E402
-from step_systems import Bench  # noqa: E402
-import step_report  # noqa: E402
 from step_report import analyse, plot, print_report, targets  # noqa: E402
+from step_systems import Bench  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--configs", default="toy,small", help=f"comma list of {','.join(CONFIGS)} (default toy,small)")
     ap.add_argument("--windows", default=",".join(map(str, WINDOWS)), help="comma list of windows, each <= 4096")
-    ap.add_argument("--reps", type=int, default=0, help="timed steps per system per window (default per config: "
-                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_REPS.items()) + ")")
-    ap.add_argument("--oneshot-reps", type=int, default=0, help="timed one-shot steps per window (default per config: "
-                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_ONESHOT_REPS.items()) + "; at most --reps)")
-    ap.add_argument("--backend", default="cpu", help="ggml backend of the cache and one-shot systems: cpu, cuda, cuda:N "
-                    "(GGML_CUDA_DISABLE_GRAPHS=1 in the environment turns CUDA graphs off for comparison)")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=0,
+        help="timed steps per system per window (default per config: "
+        + ", ".join(f"{k} {v}" for k, v in DEFAULT_REPS.items())
+        + ")",
+    )
+    ap.add_argument(
+        "--oneshot-reps",
+        type=int,
+        default=0,
+        help="timed one-shot steps per window (default per config: "
+        + ", ".join(f"{k} {v}" for k, v in DEFAULT_ONESHOT_REPS.items())
+        + "; at most --reps)",
+    )
+    ap.add_argument(
+        "--backend",
+        default="cpu",
+        help="ggml backend of the cache and one-shot systems: cpu, cuda, cuda:N "
+        "(GGML_CUDA_DISABLE_GRAPHS=1 in the environment turns CUDA graphs off for comparison)",
+    )
     ap.add_argument("--threads", type=int, default=2, help="ggml, torch and BLAS threads (default 2)")
-    ap.add_argument("--omp-wait-policy", choices=("passive", "active", "default"), default=None,
-                    help="OMP_WAIT_POLICY for ggml's and torch's OpenMP threads (default: $OMP_WAIT_POLICY if set, "
-                         "else passive; 'default' leaves it unset). Spinning threads wreck the timings on a "
-                         "machine shared with other processes")
+    ap.add_argument(
+        "--omp-wait-policy",
+        choices=("passive", "active", "default"),
+        default=None,
+        help="OMP_WAIT_POLICY for ggml's and torch's OpenMP threads (default: $OMP_WAIT_POLICY if set, "
+        "else passive; 'default' leaves it unset). Spinning threads wreck the timings on a "
+        "machine shared with other processes",
+    )
     ap.add_argument("--n-new", type=int, default=0, help="context rows committed per step (default q_len/2 + 1)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
-    ap.add_argument("--generic-q8", action="store_true",
-                    help="also time kv_q8_generic: q8_0 weights on ggml's generic kernels (no AMX / VNNI repacking)")
+    ap.add_argument(
+        "--generic-q8",
+        action="store_true",
+        help="also time kv_q8_generic: q8_0 weights on ggml's generic kernels (no AMX / VNNI repacking)",
+    )
     ap.add_argument("--skip", default="", help=f"comma list of systems to leave out ({','.join(SYSTEMS)})")
-    ap.add_argument("--cap-per-window", action="store_true",
-                    help="kv caches built with cap=W per window, committed growing (default: cap 4096 + rewind)")
+    ap.add_argument(
+        "--cap-per-window",
+        action="store_true",
+        help="kv caches built with cap=W per window, committed growing (default: cap 4096 + rewind)",
+    )
     ap.add_argument("--profile", action="store_true", help="also time every op of the cache's step graph")
     ap.add_argument("--profile-reps", type=int, default=5, help="per-op profile repetitions (min per node is kept)")
-    ap.add_argument("--profile-threads", type=int, default=0,
-                    help="threads of the per-op profile (default --threads; 1 is steadier on a shared machine: "
-                         "every node ends in a thread barrier that a descheduled thread stalls)")
-    ap.add_argument("--stat", choices=("median", "p10", "min"), default="median",
-                    help="statistic the ratios, roofline checks and targets use (default median; on a machine shared "
-                         "with other processes p10 or min show the code's own cost better)")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run (< 2 min on 2 cores): toy + small, windows 64,1024, 4 reps, torch fp32 only")
+    ap.add_argument(
+        "--profile-threads",
+        type=int,
+        default=0,
+        help="threads of the per-op profile (default --threads; 1 is steadier on a shared machine: "
+        "every node ends in a thread barrier that a descheduled thread stalls)",
+    )
+    ap.add_argument(
+        "--stat",
+        choices=("median", "p10", "min"),
+        default="median",
+        help="statistic the ratios, roofline checks and targets use (default median; on a machine shared "
+        "with other processes p10 or min show the code's own cost better)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run (< 2 min on 2 cores): toy + small, windows 64,1024, 4 reps, torch fp32 only",
+    )
     ap.add_argument("--json", help="write every sample and figure to this JSON file")
     ap.add_argument("--plot", help="write a latency-vs-window PNG (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -190,8 +228,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = skip - set(SYSTEMS)
     if bad:
         ap.error(f"unknown system(s) in --skip: {sorted(bad)}")
-    args.systems = [s for s in SYSTEMS if s not in skip and not (args.no_torch and s in TORCH_SYSTEMS)
-                    and (s not in OPTIONAL_SYSTEMS or args.generic_q8)]
+    args.systems = [
+        s
+        for s in SYSTEMS
+        if s not in skip
+        and not (args.no_torch and s in TORCH_SYSTEMS)
+        and (s not in OPTIONAL_SYSTEMS or args.generic_q8)
+    ]
     if args.systems and not args.no_torch and any(s in TORCH_SYSTEMS for s in args.systems):
         try:
             import _torch_ref  # noqa: F401
@@ -204,9 +247,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def machine_info(args: argparse.Namespace) -> dict:
     from pyggml_dkv.ggml import version
 
-    info = {"cpu": cpu_name(), "n_cpus": os.cpu_count(), "threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
-            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, "python": platform.python_version(),
-            "numpy": np.__version__, "ggml": version()}
+    info = {
+        "cpu": cpu_name(),
+        "n_cpus": os.cpu_count(),
+        "threads": args.threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "ggml": version(),
+    }
     if any(s in TORCH_SYSTEMS for s in args.systems):
         import torch
 
@@ -235,15 +285,24 @@ def main(argv: list[str] | None = None) -> int:
     mm += probe_matmul(args.threads)
     if peaks:
         peaks.append(probe_peaks(args.threads))
-        machine["peaks_gmacs"] = {k: (float(np.median([p[k] for p in peaks])) if all(p[k] for p in peaks) else None)
-                                  for k in peaks[0]}
+        machine["peaks_gmacs"] = {
+            k: (float(np.median([p[k] for p in peaks])) if all(p[k] for p in peaks) else None) for k in peaks[0]
+        }
         machine["peaks_samples_gmacs"] = peaks  # before and after the run: a VM's speed can move meanwhile
     machine["cpu_features"] = cpu_features()
     # the roofline's bandwidth: the read stream's where it could be probed (a step reads its bytes),
     # else the copy's
-    machine.update({"bandwidth_gbs": float(np.median(rd if rd else bw)), "bandwidth_source": "read" if rd else "copy",
-                    "copy_bandwidth_gbs": float(np.median(bw)), "copy_bandwidth_samples_gbs": bw,
-                    "read_bandwidth_samples_gbs": rd, "matmul_gflops": float(np.median(mm)), "matmul_samples_gflops": mm})
+    machine.update(
+        {
+            "bandwidth_gbs": float(np.median(rd if rd else bw)),
+            "bandwidth_source": "read" if rd else "copy",
+            "copy_bandwidth_gbs": float(np.median(bw)),
+            "copy_bandwidth_samples_gbs": bw,
+            "read_bandwidth_samples_gbs": rd,
+            "matmul_gflops": float(np.median(mm)),
+            "matmul_samples_gflops": mm,
+        }
+    )
     for r in results:
         analyse(r, machine)
         r["targets"] = targets(r)
@@ -253,11 +312,16 @@ def main(argv: list[str] | None = None) -> int:
     machine["cuda_graphs_disabled"] = bool(os.environ.get("GGML_CUDA_DISABLE_GRAPHS"))
     print_report(results, machine, args)
     applicable = [t for r in results for t in r["targets"] if t["applies"] and t["ok"] is not None]
-    print(f"\n{sum(t['ok'] for t in applicable)}/{len(applicable)} applicable targets met; "
-          f"total run time {machine['total_seconds']:.0f} s")
+    print(
+        f"\n{sum(t['ok'] for t in applicable)}/{len(applicable)} applicable targets met; "
+        f"total run time {machine['total_seconds']:.0f} s"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine, "args": {k: v for k, v in vars(args).items()},
-                                               "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"machine": machine, "args": {k: v for k, v in vars(args).items()}, "results": results}, indent=1
+            )
+        )
         log(f"JSON written to {args.json}")
     if args.plot:
         plot(results, args.plot)

@@ -42,7 +42,7 @@ def cpu_name() -> str:
 
 
 def cpu_family_model() -> str:
-    """"family F model M" from /proc/cpuinfo: "AMD EPYC" alone does not say Zen 4 or Zen 5."""
+    """ "family F model M" from /proc/cpuinfo: "AMD EPYC" alone does not say Zen 4 or Zen 5."""
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -59,10 +59,16 @@ def git_commit() -> str:
 
     root = Path(__file__).resolve().parents[1]
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""
     return head + ("+dirty" if dirty else "")

@@ -117,9 +117,11 @@ def _load():  # noqa: ANN202
         from cffi import FFI
 
         ffi = FFI()
-        ffi.cdef("int probe_vnni(long n); float probe_fma(long n); float probe_bf16(long n); "
-                 "int probe_read(const char * p, long n); double timed_vnni(long n); double timed_fma(long n); "
-                 "double timed_bf16(long n); double timed_read(const char * p, long n);")
+        ffi.cdef(
+            "int probe_vnni(long n); float probe_fma(long n); float probe_bf16(long n); "
+            "int probe_read(const char * p, long n); double timed_vnni(long n); double timed_fma(long n); "
+            "double timed_bf16(long n); double timed_read(const char * p, long n);"
+        )
         ffi.set_source("_pyggml_dkv_peak_probe", _SRC, extra_compile_args=["-O2"])
         tmp = tempfile.mkdtemp(prefix="peak_probe_")
         path = ffi.compile(tmpdir=tmp, verbose=False)
@@ -257,6 +259,7 @@ class PeakSampler:
 
         def run(i: int) -> None:
             out[i] = fn(*args_per_thread[i])
+
         ts = [threading.Thread(target=run, args=(i,)) for i in range(len(args_per_thread))]
         for th in ts:
             th.start()

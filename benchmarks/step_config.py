@@ -7,8 +7,12 @@ import sys
 CAP = 4096
 CONFIGS = {
     "toy": dict(hidden=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, ffn=512, block_size=16, n_target_layers=3),
-    "small": dict(hidden=1024, n_layer=5, n_head=16, n_head_kv=4, head_dim=64, ffn=3072, block_size=16, n_target_layers=5),
-    "qwen3-8b": dict(hidden=4096, n_layer=5, n_head=32, n_head_kv=8, head_dim=128, ffn=12288, block_size=16, n_target_layers=5),
+    "small": dict(
+        hidden=1024, n_layer=5, n_head=16, n_head_kv=4, head_dim=64, ffn=3072, block_size=16, n_target_layers=5
+    ),
+    "qwen3-8b": dict(
+        hidden=4096, n_layer=5, n_head=32, n_head_kv=8, head_dim=128, ffn=12288, block_size=16, n_target_layers=5
+    ),
 }
 # default repetitions (timed steps per system per window); the one-shot graph is costly at big windows
 DEFAULT_REPS = {"toy": 30, "small": 15, "qwen3-8b": 5}

@@ -9,9 +9,14 @@ from pathlib import Path
 import numpy as np
 
 from pyggml_dkv import DraftConfig
-from pyggml_dkv.ggml import bf16_attention_kernel, bf16_matmul_kernel, built_capabilities, cpu_features, half_matmul_avx2
+from pyggml_dkv.ggml import (
+    bf16_attention_kernel,
+    bf16_matmul_kernel,
+    built_capabilities,
+    cpu_features,
+    half_matmul_avx2,
+)
 from pyggml_dkv.ggml.capabilities import F16_MATMUL_KERNEL
-
 
 
 # ---------------------------------------------------------------------------- machine probes
@@ -53,8 +58,12 @@ def _blas_set_threads():  # noqa: ANN202
             handle = ctypes.CDLL(lib)
         except OSError:
             continue
-        for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
-                    "openblas_set_num_threads"):
+        for sym in (
+            "scipy_openblas_set_num_threads64_",
+            "scipy_openblas_set_num_threads",
+            "openblas_set_num_threads64_",
+            "openblas_set_num_threads",
+        ):
             fn = getattr(handle, sym, None)
             if fn is not None:
                 return lambda n, fn=fn: fn(ctypes.c_int(n))
@@ -101,12 +110,24 @@ def cost_model(cfg: DraftConfig, window: int, n_new: int, weight_bytes: int, a_s
     flops_graph = 2 * layer_params * cfg.n_layer * q + 2 * fold_params * a_step + attn
     kv_bytes = 2 * cfg.n_layer * window * kv_w * 2
     nbytes = weight_bytes + kv_bytes + n_new * cfg.fc_in * 4
-    return {"flops": flops, "flops_graph": flops_graph, "flops_attention": attn, "bytes": nbytes,
-            "bytes_weights": weight_bytes, "bytes_kv": kv_bytes}
+    return {
+        "flops": flops,
+        "flops_graph": flops_graph,
+        "flops_attention": attn,
+        "bytes": nbytes,
+        "bytes_weights": weight_bytes,
+        "bytes_kv": kv_bytes,
+    }
 
 
-def roofline_s(cost: dict, bw_gbs: float, gflops: float, peaks: dict | None = None,
-               matmul_instr: str | None = None, attention_instr: str | None = None) -> dict:
+def roofline_s(
+    cost: dict,
+    bw_gbs: float,
+    gflops: float,
+    peaks: dict | None = None,
+    matmul_instr: str | None = None,
+    attention_instr: str | None = None,
+) -> dict:
     """max(memory time, compute time). Compute time: with both products' instructions known and
     measured (`peaks`: instruction -> G multiply-adds / s), matmul MACs / peak(matmul_instr) +
     attention MACs / peak(attention_instr); otherwise flops / the numpy matmul rate `gflops`."""
@@ -118,12 +139,18 @@ def roofline_s(cost: dict, bw_gbs: float, gflops: float, peaks: dict | None = No
         t_flop, source = t_mm + t_att, f"{matmul_instr}+{attention_instr}"
     else:
         t_flop, source = cost["flops"] / (gflops * 1e9), "numpy sgemm"
-    return {"ms": 1e3 * max(t_mem, t_flop), "mem_ms": 1e3 * t_mem, "flop_ms": 1e3 * t_flop,
-            "bound": "memory" if t_mem >= t_flop else "compute", "compute_rate_source": source}
+    return {
+        "ms": 1e3 * max(t_mem, t_flop),
+        "mem_ms": 1e3 * t_mem,
+        "flop_ms": 1e3 * t_flop,
+        "bound": "memory" if t_mem >= t_flop else "compute",
+        "compute_rate_source": source,
+    }
 
 
-def kernels_used(kind: str, repack_kinds: tuple[str, ...] | str | None, attention: str,
-                 ne: tuple[int, ...] = (1024, 1024)) -> dict:
+def kernels_used(
+    kind: str, repack_kinds: tuple[str, ...] | str | None, attention: str, ne: tuple[int, ...] = (1024, 1024)
+) -> dict:
     """Which CPU kernel runs a cache system's matrix products and attention, and the instruction
     the roofline charges them to (None: not one we probe, e.g. AMX tiles). `repack_kinds`: the
     repacking buffers the weights went to (BackendWeights.repack_kinds). `ne`: a matrix's shape
@@ -138,14 +165,18 @@ def kernels_used(kind: str, repack_kinds: tuple[str, ...] | str | None, attentio
         else:
             mm = ("ggml f16 (llamafile tinyBLAS)", None)
     elif kind == "bf16":
-        mm = {"amx": ("bf16 weights x bf16-rounded rows on AMX-BF16 tiles (patch 0029)", None),
-              "avx512_bf16": ("bf16 weights x bf16-rounded rows, AVX512-BF16 vdpbf16ps (patch 0019)", "vdpbf16ps"),
-              "avx512_fma": ("bf16 weights x f32 rows, AVX-512 FMA (patch 0041)", "vfmadd231ps"),
-              "avx2_fma": ("bf16 weights x f32 rows, AVX2 FMA (patch 0042)", None),
-              }.get(bf16_matmul_kernel(ne), ("ggml bf16 (llamafile tinyBLAS / vec_dot)", None))
+        mm = {
+            "amx": ("bf16 weights x bf16-rounded rows on AMX-BF16 tiles (patch 0029)", None),
+            "avx512_bf16": ("bf16 weights x bf16-rounded rows, AVX512-BF16 vdpbf16ps (patch 0019)", "vdpbf16ps"),
+            "avx512_fma": ("bf16 weights x f32 rows, AVX-512 FMA (patch 0041)", "vfmadd231ps"),
+            "avx2_fma": ("bf16 weights x f32 rows, AVX2 FMA (patch 0042)", None),
+        }.get(bf16_matmul_kernel(ne), ("ggml bf16 (llamafile tinyBLAS / vec_dot)", None))
     elif kinds == ("AMX", "CPU_REPACK"):  # backend_weights.VNNI_OVER_AMX_NARROW
-        mm = ("q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (patch 0010); the bulk appends' copies of fc / k_proj / "
-              "v_proj on AMX int8 tiles (patches 0002, 0007)", "vpdpbusd")
+        mm = (
+            "q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (patch 0010); the bulk appends' copies of fc / k_proj / "
+            "v_proj on AMX int8 tiles (patches 0002, 0007)",
+            "vpdpbusd",
+        )
     elif kinds == ("AMX",):
         mm = ("q8_0 on AMX int8 tiles (patches 0002, 0007)", None)
     elif kinds == ("CPU_REPACK",):
@@ -155,8 +186,10 @@ def kernels_used(kind: str, repack_kinds: tuple[str, ...] | str | None, attentio
     f32_att = ("tiled f32, AVX-512 FMA (patches 0003, 0006)", "vfmadd231ps") if feats["avx512"] else ("ggml f32", None)
     att = f32_att
     if attention == "bf16":
-        att = {"amx": ("bf16 products on AMX-BF16 tiles (patch 0009)", None),
-               "avx512_bf16": ("bf16 products, AVX512-BF16 vdpbf16ps (patch 0011)", "vdpbf16ps")}.get(bf16_attention_kernel(), f32_att)
+        att = {
+            "amx": ("bf16 products on AMX-BF16 tiles (patch 0009)", None),
+            "avx512_bf16": ("bf16 products, AVX512-BF16 vdpbf16ps (patch 0011)", "vdpbf16ps"),
+        }.get(bf16_attention_kernel(), f32_att)
     if feats["amx_usable"]:
         # AMX tiles are not probed: on such a CPU every roofline keeps the numpy rate (as before the
         # instruction-peak probes existed), so its figures stay comparable with earlier runs
@@ -223,7 +256,9 @@ class OpProfiler:
                 kind = "copy/rows"
             else:
                 kind = "elementwise"  # norms, rope, add, mul, silu, ...
-            self.labels.append({"i": i, "op": op, "phase": "noise" if noisy else "fold-in", "kind": kind, "weight": weight})
+            self.labels.append(
+                {"i": i, "op": op, "phase": "noise" if noisy else "fold-in", "kind": kind, "weight": weight}
+            )
         # the rows the graph folds in (its first fold-in product's columns): which of a cache's
         # graphs this is (one per fold-in size)
         first = next((lab["i"] for lab in self.labels if lab["phase"] == "fold-in" and lab["kind"] == "matmul"), None)
@@ -288,9 +323,13 @@ class OpProfiler:
             elif lab["kind"] in ("elementwise", "copy/rows"):
                 by_op[lab["op"]] = by_op.get(lab["op"], 0.0) + t
         total = sum(groups.values())
-        return {"overhead_per_node_ms": 1e3 * overhead, "n_nodes": self.n, "fold_in_rows": self.fold_in_rows,
-                "n_compute_nodes": sum(1 for l in self.labels if l["kind"] != "no-op"),
-                "groups_ms": {k: 1e3 * v for k, v in sorted(groups.items())},
-                "matmul_by_weight_ms": {k: 1e3 * v for k, v in sorted(by_weight.items())},
-                "other_by_op_ms": {k: 1e3 * v for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
-                "sum_ms": 1e3 * total}
+        return {
+            "overhead_per_node_ms": 1e3 * overhead,
+            "n_nodes": self.n,
+            "fold_in_rows": self.fold_in_rows,
+            "n_compute_nodes": sum(1 for label in self.labels if label["kind"] != "no-op"),
+            "groups_ms": {k: 1e3 * v for k, v in sorted(groups.items())},
+            "matmul_by_weight_ms": {k: 1e3 * v for k, v in sorted(by_weight.items())},
+            "other_by_op_ms": {k: 1e3 * v for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
+            "sum_ms": 1e3 * total,
+        }

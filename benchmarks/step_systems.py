@@ -11,14 +11,13 @@ import time
 
 import numpy as np
 
+from peak_probe import PeakSampler
 from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter
 from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.ggml import bf16_attention_supported
 from pyggml_dkv.model.tensor_names import expected_shapes, is_norm
-
-from peak_probe import PeakSampler
-from step_config import CAP, CONFIGS, DEFAULT_ONESHOT_REPS, DEFAULT_REPS, log, TORCH_SYSTEMS
-from step_probes import kernels_used, OpProfiler
+from step_config import CAP, CONFIGS, DEFAULT_ONESHOT_REPS, DEFAULT_REPS, TORCH_SYSTEMS, log
+from step_probes import OpProfiler, kernels_used
 
 PROBE = "peak probes"  # the pseudo-system of the rotation that samples the machine's peaks
 
@@ -32,8 +31,14 @@ def stats(samples_s: list[float]) -> dict:
     a = np.asarray(samples_s, dtype=np.float64) * 1e3
     if a.size == 0:
         return {"n": 0}
-    return {"n": int(a.size), "median_ms": float(np.median(a)), "p10_ms": float(np.percentile(a, 10)),
-            "p90_ms": float(np.percentile(a, 90)), "min_ms": float(a.min()), "samples_ms": [round(float(x), 4) for x in a]}
+    return {
+        "n": int(a.size),
+        "median_ms": float(np.median(a)),
+        "p10_ms": float(np.percentile(a, 10)),
+        "p90_ms": float(np.percentile(a, 90)),
+        "min_ms": float(a.min()),
+        "samples_ms": [round(float(x), 4) for x in a],
+    }
 
 
 def paired_ratio(steps_s: list[float], graphs_s: list[float]) -> dict:
@@ -127,7 +132,9 @@ class Bench:
         cfg, args = self.cfg, self.args
         t0 = time.perf_counter()
         self.host = random_weights(cfg, seed=0)
-        log(f"[{self.name}] random weights: {self.host.n_params / 1e6:.1f} M parameters ({time.perf_counter() - t0:.1f} s)")
+        log(
+            f"[{self.name}] random weights: {self.host.n_params / 1e6:.1f} M parameters ({time.perf_counter() - t0:.1f} s)"
+        )
         max_w = max(self.windows)
         steps = (self.reps + 8) * len(self.windows) if args.cap_per_window else 0
         self.n_pos = max_w + steps * self.n_new + cfg.block_size + 64
@@ -143,13 +150,18 @@ class Bench:
             log(f"[{self.name}] kv_q8_attbf16 left out: ggml was built without our bf16 attention kernel (fa-bf16)")
             self.systems = [s for s in self.systems if s != "kv_q8_attbf16"]
             sys_.discard("kv_q8_attbf16")
-        need = {"f16": bool(sys_ & {"kv_f16", "raw", "oneshot"}), "q8_0": bool(sys_ & {"kv_q8", "kv_q8_attbf16"}),
-                "bf16": "kv_bf16" in sys_}
+        need = {
+            "f16": bool(sys_ & {"kv_f16", "raw", "oneshot"}),
+            "q8_0": bool(sys_ & {"kv_q8", "kv_q8_attbf16"}),
+            "bf16": "kv_bf16" in sys_,
+        }
         for dtype in ("f16", "q8_0", "bf16"):
             if need[dtype]:
                 t0 = time.perf_counter()
                 self.bw[dtype] = self.host.to_backend(self.backend, dtype)
-                log(f"[{self.name}] {dtype} weights uploaded: {self.bw[dtype].nbytes / 2**20:.0f} MiB ({time.perf_counter() - t0:.1f} s)")
+                log(
+                    f"[{self.name}] {dtype} weights uploaded: {self.bw[dtype].nbytes / 2**20:.0f} MiB ({time.perf_counter() - t0:.1f} s)"
+                )
         if sys_ & {"kv_f16", "raw"}:  # raw times kv_f16's step graph
             self.kv["kv_f16"] = KvSystem("kv_f16", self.bw["f16"], self.backend, args.cap_per_window)
         if "kv_q8" in sys_:
@@ -158,19 +170,26 @@ class Bench:
             self.kv["kv_bf16"] = KvSystem("kv_bf16", self.bw["bf16"], self.backend, args.cap_per_window)
         if "kv_q8_generic" in sys_:
             self.bw["q8_0_generic"] = self.host.to_backend(self.backend, "q8_0", repack=False)
-            self.kv["kv_q8_generic"] = KvSystem("kv_q8_generic", self.bw["q8_0_generic"], self.backend, args.cap_per_window)
+            self.kv["kv_q8_generic"] = KvSystem(
+                "kv_q8_generic", self.bw["q8_0_generic"], self.backend, args.cap_per_window
+            )
         if "kv_q8_attbf16" in sys_:
-            self.kv["kv_q8_attbf16"] = KvSystem("kv_q8_attbf16", self.bw["q8_0"], self.backend, args.cap_per_window,
-                                                attention="bf16")
+            self.kv["kv_q8_attbf16"] = KvSystem(
+                "kv_q8_attbf16", self.bw["q8_0"], self.backend, args.cap_per_window, attention="bf16"
+            )
         self.oneshot = OneShotDrafter(self.bw["f16"], self.backend, CAP) if "oneshot" in self.systems else None
         if self.backend.is_cpu:
             sampler = PeakSampler(args.threads)
             self.sampler = sampler if sampler.available else None
         self.kernels = {}
         if self.backend.is_cpu:
-            for sysname, bw_key, dt, att in (("kv_f16", "f16", "f16", "f32"), ("kv_q8", "q8_0", "q8_0", "f32"),
-                                             ("kv_q8_attbf16", "q8_0", "q8_0", "bf16"), ("kv_bf16", "bf16", "bf16", "f32"),
-                                             ("kv_q8_generic", "q8_0_generic", "q8_0", "f32")):
+            for sysname, bw_key, dt, att in (
+                ("kv_f16", "f16", "f16", "f32"),
+                ("kv_q8", "q8_0", "q8_0", "f32"),
+                ("kv_q8_attbf16", "q8_0", "q8_0", "bf16"),
+                ("kv_bf16", "bf16", "bf16", "f32"),
+                ("kv_q8_generic", "q8_0_generic", "q8_0", "f32"),
+            ):
                 if sysname in self.kv:
                     self.kernels[sysname] = kernels_used(dt, self.bw[bw_key].repack_kinds, att)
         self.torch = {}
@@ -212,6 +231,7 @@ class Bench:
 
             def step():  # noqa: ANN202
                 return ks.cache.step(self.ring, state["c"], self.noise)
+
             return prep, step
         if sysname == "raw":
             ks = self.kv["kv_f16"]
@@ -224,6 +244,7 @@ class Bench:
             def step():  # noqa: ANN202
                 # the graph step() computes: the one sized for this step's fold-in rows
                 ks.cache.next_graph(logits=True).compute(self.backend)
+
             return prep, step
         if sysname == "oneshot":
             return (lambda: None), (lambda: self.oneshot.step(self.ring, window, self.noise))
@@ -250,7 +271,7 @@ class Bench:
                     res["errors_vs_torch_fp32"][name] = relative_error(out, ref)
         active = list(self.systems)
         runners = {s: self._runner(s, window) for s in active}
-        for s, (prep, step) in runners.items():  # a second untimed step each (allocator, caches, OpenMP pools)
+        for prep, step in runners.values():  # a second untimed step each (allocator, caches, OpenMP pools)
             prep()
             step()
         # the machine's peaks, sampled in the same rotation as the systems (peak_probe.PeakSampler)
@@ -267,7 +288,7 @@ class Bench:
             t0 = time.perf_counter()
             with no_grad():
                 for rep in range(self.reps):
-                    order = active[rep % len(active):] + active[:rep % len(active)]
+                    order = active[rep % len(active) :] + active[: rep % len(active)]
                     for s in order:
                         if s == "oneshot" and rep >= self.oneshot_reps:
                             continue
@@ -300,7 +321,9 @@ class Bench:
         out = {}
         pt = self.args.profile_threads or self.args.threads
         if pt != self.args.threads and getattr(self, "_prof_backend", None) is None:
-            self._prof_backend = Backend("cpu", n_threads=pt)  # CPU buffers are host memory: any CPU backend computes them
+            self._prof_backend = Backend(
+                "cpu", n_threads=pt
+            )  # CPU buffers are host memory: any CPU backend computes them
         backend = getattr(self, "_prof_backend", None) or self.backend
         for name, ks in self.kv.items():
             cache = ks.cache
@@ -334,18 +357,34 @@ class Bench:
                 gc.collect()
         finally:
             self.close()
-        return {"config": self.name, "shape": CONFIGS[self.name], "fc_in": cfg.fc_in, "n_params": self.host.n_params,
-                "n_new": self.n_new, "q_len": cfg.block_size, "a_step": a_step, "reps": self.reps,
-                "oneshot_reps": self.oneshot_reps, "cap": CAP, "cap_per_window": self.args.cap_per_window,
-                "weight_bytes": self.weight_bytes, "windows": windows, "kernels": self.kernels}
+        return {
+            "config": self.name,
+            "shape": CONFIGS[self.name],
+            "fc_in": cfg.fc_in,
+            "n_params": self.host.n_params,
+            "n_new": self.n_new,
+            "q_len": cfg.block_size,
+            "a_step": a_step,
+            "reps": self.reps,
+            "oneshot_reps": self.oneshot_reps,
+            "cap": CAP,
+            "cap_per_window": self.args.cap_per_window,
+            "weight_bytes": self.weight_bytes,
+            "windows": windows,
+            "kernels": self.kernels,
+        }
 
 
 def interleaved_probes(samples: list[dict[str, float]]) -> dict:
     """The median of each probe over one window's repetitions: the peaks of its steps' moments."""
     keys = [k for k in samples[0] if all(k in s for s in samples)]
     med = {k: float(np.median([s[k] for s in samples])) for k in keys}
-    return {"n": len(samples), "peaks_gmacs": {k: v for k, v in med.items() if k != "read_gbs"},
-            "read_gbs": med.get("read_gbs"), "samples": samples}
+    return {
+        "n": len(samples),
+        "peaks_gmacs": {k: v for k, v in med.items() if k != "read_gbs"},
+        "read_gbs": med.get("read_gbs"),
+        "samples": samples,
+    }
 
 
 def weight_nbytes(cfg: DraftConfig, dtype: str) -> int:

@@ -16,10 +16,18 @@ from pathlib import Path
 
 import numpy as np
 
-from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, LlamaTarget, OracleDrafter, 
-                                        SpeculativeGenerator, compare_to_plain, ggml_drafter,
-                                        plain_greedy, random_smollm2_weights, smollm2_draft_config)
-from pyggml_dkv.hosts.smollm2 import smollm2_gguf
+from pyggml_dkv.hosts.llama_cpp import (
+    GenerationConfig,
+    LlamaTarget,
+    OracleDrafter,
+    SpeculativeGenerator,
+    compare_to_plain,
+    ggml_drafter,
+    plain_greedy,
+    random_smollm2_weights,
+    smollm2_draft_config,
+    smollm2_gguf,
+)
 
 PROMPTS = (
     "Write a short poem about the sea.",
@@ -47,7 +55,7 @@ def batch_shape_noise(target: LlamaTarget, prompt: np.ndarray, tokens: np.ndarra
     target.prefill(prompt)
     batched = []
     for lo in range(prompt.size, seq.size - 1, block):
-        batched.extend(np.array(target.decode(seq[lo:min(lo + block, seq.size - 1)], logits="all")))
+        batched.extend(np.array(target.decode(seq[lo : min(lo + block, seq.size - 1)], logits="all")))
     return float(max(np.abs(a - b).max() for a, b in zip(single, batched))) if single else 0.0
 
 
@@ -79,15 +87,29 @@ def main() -> int:
         res = gen.generate(prompt, GenerationConfig(max_tokens=args.max_tokens))
         cmp = compare_to_plain(res, plain, args.near_tie)
         noise.append(batch_shape_noise(target, prompt, plain.tokens, cfg.block_size))
-        rows.append({"prompt": text, **cmp, "tokens": int(res.tokens.size), "tokens_per_round": res.stats.tokens_per_round,
-                     "min_gap_plain": float(plain.gaps.min()) if plain.gaps.size else None})
-        gap = "" if cmp["first_divergence"] is None else \
-            f" diverges at {cmp['first_divergence']}: gaps plain {cmp['gap_plain']:.3f} / spec {cmp['gap_spec']:.3f}"
-        print(f"{'OK ' if cmp['lossless'] else 'BAD'} {'identical' if cmp['identical'] else 'prefix   '} "
-              f"{res.tokens.size:3d} tokens, {res.stats.tokens_per_round:.2f} tok/round{gap}  [{text[:40]}]")
+        rows.append(
+            {
+                "prompt": text,
+                **cmp,
+                "tokens": int(res.tokens.size),
+                "tokens_per_round": res.stats.tokens_per_round,
+                "min_gap_plain": float(plain.gaps.min()) if plain.gaps.size else None,
+            }
+        )
+        gap = (
+            ""
+            if cmp["first_divergence"] is None
+            else f" diverges at {cmp['first_divergence']}: gaps plain {cmp['gap_plain']:.3f} / spec {cmp['gap_spec']:.3f}"
+        )
+        print(
+            f"{'OK ' if cmp['lossless'] else 'BAD'} {'identical' if cmp['identical'] else 'prefix   '} "
+            f"{res.tokens.size:3d} tokens, {res.stats.tokens_per_round:.2f} tok/round{gap}  [{text[:40]}]"
+        )
     ok = all(r["lossless"] for r in rows)
-    print(f"lossless over {len(rows)} prompts: {ok}; identical: {sum(r['identical'] for r in rows)}; "
-          f"max batch-shape logit noise (1-token vs {cfg.block_size}-token batches): {max(noise):.3f}")
+    print(
+        f"lossless over {len(rows)} prompts: {ok}; identical: {sum(r['identical'] for r in rows)}; "
+        f"max batch-shape logit noise (1-token vs {cfg.block_size}-token batches): {max(noise):.3f}"
+    )
     if args.json:
         args.json.write_text(json.dumps({"lossless": ok, "prompts": rows, "batch_shape_noise": noise}, indent=2))
     if hasattr(drafter, "close"):

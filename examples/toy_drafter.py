@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # numpy's BLAS threads would fight ggml's for the cores; the toy target's matmuls are small
@@ -60,8 +60,14 @@ class Report:
         }
 
 
-def speculative_decode(target: ToyTarget, drafter, prompt: list[int], n_new: int,
-                       oneshot: OneShotDrafter | None = None, progress: bool = False) -> Report:
+def speculative_decode(
+    target: ToyTarget,
+    drafter,
+    prompt: list[int],
+    n_new: int,
+    oneshot: OneShotDrafter | None = None,
+    progress: bool = False,
+) -> Report:
     """Greedy speculative decoding; `drafter` needs add_features(rows), propose(last), committed, reset()."""
     target.truncate(0)
     drafter.reset()
@@ -98,7 +104,12 @@ def speculative_decode(target: ToyTarget, drafter, prompt: list[int], n_new: int
         report.rounds += 1
         report.accepted_per_round.append(k)
         if progress and report.rounds % 10 == 0:
-            print(f"\r  {min(len(out), n_new)}/{n_new} tokens, {report.rounds} rounds", end="", file=sys.stderr, flush=True)
+            print(
+                f"\r  {min(len(out), n_new)}/{n_new} tokens, {report.rounds} rounds",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
     if progress:
         print(file=sys.stderr)
     # end-to-end time of speculative decoding itself, without the side-by-side one-shot timing
@@ -108,10 +119,19 @@ def speculative_decode(target: ToyTarget, drafter, prompt: list[int], n_new: int
 
 
 def drafter_config(tcfg: ToyTargetConfig, block_size: int) -> DraftConfig:
-    return DraftConfig(hidden=tcfg.hidden, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, ffn=512,
-                       block_size=block_size, n_target_layers=len(tcfg.captured_layers),
-                       mask_token_id=tcfg.vocab - 1, vocab=tcfg.vocab,
-                       target_layer_ids=list(tcfg.captured_layers))
+    return DraftConfig(
+        hidden=tcfg.hidden,
+        n_layer=2,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        ffn=512,
+        block_size=block_size,
+        n_target_layers=len(tcfg.captured_layers),
+        mask_token_id=tcfg.vocab - 1,
+        vocab=tcfg.vocab,
+        target_layer_ids=list(tcfg.captured_layers),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         weights = DraftWeights.from_pretrained(args.checkpoint)
         if weights.cfg.hidden != tcfg.hidden or weights.cfg.fc_in != tcfg.fc_in:
-            print(f"checkpoint hidden={weights.cfg.hidden}, fc_in={weights.cfg.fc_in} does not fit the toy target "
-                  f"(hidden={tcfg.hidden}, fc_in={tcfg.fc_in})", file=sys.stderr)
+            print(
+                f"checkpoint hidden={weights.cfg.hidden}, fc_in={weights.cfg.fc_in} does not fit the toy target "
+                f"(hidden={tcfg.hidden}, fc_in={tcfg.fc_in})",
+                file=sys.stderr,
+            )
             return 2
     else:
         weights = DraftWeights.random(drafter_config(tcfg, args.block_size), seed=args.seed)
@@ -143,29 +166,47 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, tcfg.vocab - 1, size=args.prompt_len).tolist()
     backend = Backend(args.backend, n_threads=args.threads) if args.backend == "cpu" else Backend(args.backend)
-    with backend, Drafter(weights, embed_tokens=target.embed_tokens, lm_head=target.lm_head, backend=backend,
-                          cap=args.cap, weight_dtype=args.weight_dtype) as drafter:
-        oneshot = None if args.no_oneshot else OneShotDrafter(drafter.weights, backend, args.cap, lm_head=target.lm_head)
-        print(f"pyggml_dkv toy drafter: backend={backend.name}, cap={args.cap}, block={weights.cfg.block_size}, "
-              f"weights={args.weight_dtype}, {args.max_new_tokens} new tokens", file=sys.stderr)
-        report = speculative_decode(target, drafter, prompt, args.max_new_tokens, oneshot,
-                                    progress=args.max_new_tokens >= 100)
+    with (
+        backend,
+        Drafter(
+            weights,
+            embed_tokens=target.embed_tokens,
+            lm_head=target.lm_head,
+            backend=backend,
+            cap=args.cap,
+            weight_dtype=args.weight_dtype,
+        ) as drafter,
+    ):
+        oneshot = (
+            None if args.no_oneshot else OneShotDrafter(drafter.weights, backend, args.cap, lm_head=target.lm_head)
+        )
+        print(
+            f"pyggml_dkv toy drafter: backend={backend.name}, cap={args.cap}, block={weights.cfg.block_size}, "
+            f"weights={args.weight_dtype}, {args.max_new_tokens} new tokens",
+            file=sys.stderr,
+        )
+        report = speculative_decode(
+            target, drafter, prompt, args.max_new_tokens, oneshot, progress=args.max_new_tokens >= 100
+        )
         if oneshot is not None:
             oneshot.close()
     truth = target.greedy(prompt, args.max_new_tokens)
     report.lossless = report.tokens == truth
     s = report.summary()
     print(f"lossless (identical to greedy decoding): {s['lossless']}")
-    print(f"rounds: {s['rounds']}, tokens/round: {s['tokens_per_round']:.2f}, "
-          f"accepted drafts/round: {s['mean_accepted_drafts_per_round']:.2f}, histogram {s['acceptance_histogram']}")
+    print(
+        f"rounds: {s['rounds']}, tokens/round: {s['tokens_per_round']:.2f}, "
+        f"accepted drafts/round: {s['mean_accepted_drafts_per_round']:.2f}, histogram {s['acceptance_histogram']}"
+    )
     line = f"draft latency per step (median): ring cache {s['draft_ms_median_cache']:.2f} ms"
     if s["draft_ms_median_oneshot"] is not None:
         line += f", one-shot recompute {s['draft_ms_median_oneshot']:.2f} ms ({s['draft_ms_median_oneshot'] / s['draft_ms_median_cache']:.1f}x)"
     print(line)
     print(f"target verify (median): {s['verify_ms_median']:.2f} ms; end to end: {s['tokens_per_second']:.0f} tokens/s")
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **s,
-                                         "tokens": report.tokens}, indent=2))
+        args.json.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **s, "tokens": report.tokens}, indent=2)
+        )
     if not report.lossless:
         first = next(i for i, (a, b) in enumerate(zip(report.tokens + [-1], truth)) if a != b)
         print(f"MISMATCH with greedy decoding at token {first}", file=sys.stderr)

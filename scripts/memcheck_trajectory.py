@@ -20,7 +20,14 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import pyggml_dkv.drafter.bulk_append as dkv  # noqa: E402
 from pyggml_dkv import (  # noqa: E402
-    Backend, DraftConfig, DraftKvCache, DraftWeights, Drafter, FeatureRing, OneShotDrafter, live_objects,
+    Backend,
+    DraftConfig,
+    Drafter,
+    DraftKvCache,
+    DraftWeights,
+    FeatureRing,
+    OneShotDrafter,
+    live_objects,
 )
 from pyggml_dkv import reference as R  # noqa: E402
 from pyggml_dkv.common.numeric import relative_error  # noqa: E402
@@ -29,8 +36,18 @@ from pyggml_dkv.common.numeric import relative_error  # noqa: E402
 def main() -> int:
     n_steps = int(os.environ.get("MEMCHECK_STEPS", "24"))
     dkv.BULK_CHUNK = 16  # bulk appends in several temporary graphs
-    cfg = DraftConfig(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=32, ffn=96, block_size=4,
-                      n_target_layers=2, layer_types=["full", "sliding"], swa_window=7)
+    cfg = DraftConfig(
+        hidden=64,
+        n_layer=2,
+        n_head=2,
+        n_head_kv=1,
+        head_dim=32,
+        ffn=96,
+        block_size=4,
+        n_target_layers=2,
+        layer_types=["full", "sliding"],
+        swa_window=7,
+    )
     w = DraftWeights.random(cfg, seed=3)
     rng = np.random.default_rng(0)
     cap = 19
@@ -40,9 +57,11 @@ def main() -> int:
     backend = Backend("cpu", n_threads=2)
     bw = w.to_backend(backend, "f32")
     ring = FeatureRing(cap + 8, cfg.fc_in)
-    with DraftKvCache(bw, backend, cap, cache_type="f32") as cache, \
-            DraftKvCache(bw, backend, cap, lm_head=lm, cache_type="f16", swa="per_row") as cache2, \
-            OneShotDrafter(bw, backend, cap, cache_type="f32") as oneshot:
+    with (
+        DraftKvCache(bw, backend, cap, cache_type="f32") as cache,
+        DraftKvCache(bw, backend, cap, lm_head=lm, cache_type="f16", swa="per_row") as cache2,
+        OneShotDrafter(bw, backend, cap, cache_type="f32") as oneshot,
+    ):
         committed = 0
         jumps = [1, 3, 4, 11, 2, 25, 1, -3, 4, 60, -2, 1]  # fold-in, bulk (> a_step), rewinds, wraps
         for i in range(n_steps):
@@ -51,7 +70,7 @@ def main() -> int:
                 committed = max(1, committed + d)
                 ring.truncate(committed)
             else:
-                ring.append(feats[committed:committed + d])
+                ring.append(feats[committed : committed + d])
                 committed += d
             noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
             got = cache.step(ring, committed, noise)
@@ -74,7 +93,7 @@ def main() -> int:
         for i in range(6):
             ids = drafter.propose(int(i % 40))
             drafter.rewind(28 + i)
-            drafter.add_features(feats[28 + i:30 + i])
+            drafter.add_features(feats[28 + i : 30 + i])
             ids, probs = drafter.propose(5, temperature=0.8, top_k=10, top_p=0.9, rng=rng)
             assert ids.shape == (cfg.block_size - 1,) and np.isfinite(probs).all()
             steps += 2
@@ -92,8 +111,10 @@ def main() -> int:
     from pyggml_dkv.ggml import _lowlevel
 
     built = extension_build(_lowlevel.ffi, _lowlevel.lib)
-    print(f"memcheck trajectory ok: {steps} steps (extension {_ggml_cffi.__file__}: {built.version}, {built.variant})",
-          flush=True)
+    print(
+        f"memcheck trajectory ok: {steps} steps (extension {_ggml_cffi.__file__}: {built.version}, {built.variant})",
+        flush=True,
+    )
     return 0
 
 

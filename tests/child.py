@@ -18,13 +18,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_in_child(target: str, *args: str, timeout: float = 300,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_in_child(
+    target: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run `target` ("module:function") with `args` in a fresh interpreter; returns the process."""
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), child_env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-X", "faulthandler", "-m", "tests.child", target, *args],
-                          capture_output=True, text=True, timeout=timeout, env=child_env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-m", "tests.child", target, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env,
+        cwd=ROOT,
+    )
 
 
 def main(argv: list[str]) -> int:

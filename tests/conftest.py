@@ -32,7 +32,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
     from tests.fuzzing import TRIED
 
     if TRIED:
-        terminalreporter.write_line(f"hardening fuzz: {sum(TRIED.values())} cases tried in {len(TRIED)} groups: {TRIED}")
+        terminalreporter.write_line(
+            f"hardening fuzz: {sum(TRIED.values())} cases tried in {len(TRIED)} groups: {TRIED}"
+        )
     if not _WORST:
         return
     terminalreporter.section("parity: worst max|a-b|/max|b|")

@@ -22,8 +22,9 @@ import gc
 import importlib
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -39,13 +40,17 @@ def scale() -> float:
 
 # ============================================================================ parent side
 
+
 def run_fuzz_group(module: str, group: str, examples: int, tmp_path: Path) -> None:
     """Run one group in a child; assert it finished cleanly and tried enough cases."""
     log = tmp_path / f"{group}.log"
     proc = run_in_child("tests.fuzzing:child_main", module, group, str(examples), str(log))
     last = log.read_text().splitlines()[-5:] if log.exists() else []
-    report = (f"exit {proc.returncode}\nlast cases:\n" + "\n".join(last)
-              + f"\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    report = (
+        f"exit {proc.returncode}\nlast cases:\n"
+        + "\n".join(last)
+        + f"\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
     kind = f"crashed: signal {-proc.returncode}" if proc.returncode < 0 else "error"
     assert proc.returncode == 0, f"fuzz group {group!r} failed ({kind})\n{report}"
     m = re.search(r"cases tried: (\d+)", proc.stdout)
@@ -56,20 +61,26 @@ def run_fuzz_group(module: str, group: str, examples: int, tmp_path: Path) -> No
 
 # ============================================================================ child side
 
+
 class FuzzRun:
     """What a group's cases use: the hypothesis settings, case logging and the error contract."""
 
     def __init__(self, examples: int, log_path: str) -> None:
         self.n_examples = max(1, int(examples * scale()))
-        self.log = open(log_path, "w")
+        self.log = open(log_path, "w")  # noqa: SIM115 (held by the run, closed when it ends)
         self.stats: dict[str, int] = {"cases": 0, "errors": 0}
 
     def fuzz(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         from hypothesis import HealthCheck, settings
 
-        return settings(max_examples=self.n_examples, deadline=None, database=None, print_blob=True,
-                        derandomize=not os.environ.get("PYGGML_DKV_FUZZ_RANDOM"),
-                        suppress_health_check=list(HealthCheck))(fn)
+        return settings(
+            max_examples=self.n_examples,
+            deadline=None,
+            database=None,
+            print_blob=True,
+            derandomize=not os.environ.get("PYGGML_DKV_FUZZ_RANDOM"),
+            suppress_health_check=list(HealthCheck),
+        )(fn)
 
     def case(self, desc: str) -> None:
         self.stats["cases"] += 1
@@ -88,7 +99,9 @@ class FuzzRun:
             self.stats["errors"] += 1
             return exc
         except BaseException as exc:
-            raise AssertionError(f"{desc}: raised {type(exc).__name__}({exc}), not ValueError/TypeError/RuntimeError") from exc
+            raise AssertionError(
+                f"{desc}: raised {type(exc).__name__}({exc}), not ValueError/TypeError/RuntimeError"
+            ) from exc
         raise AssertionError(f"{desc}: no exception (expected one naming {words})")
 
 
@@ -134,8 +147,15 @@ def strategies() -> Any:
 
     bad_dtypes = st.sampled_from([np.int8, np.int32, np.int64, np.uint8, np.bool_, np.complex64, object])
     small_shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
-    not_ints = st.one_of(st.booleans(), st.floats(allow_nan=True), st.text(max_size=3), st.none(),
-                         st.just(np.float32(5.0)), st.just([5]), st.just(np.array([5])))
+    not_ints = st.one_of(
+        st.booleans(),
+        st.floats(allow_nan=True),
+        st.text(max_size=3),
+        st.none(),
+        st.just(np.float32(5.0)),
+        st.just([5]),
+        st.just(np.array([5])),
+    )
     return bad_dtypes, small_shapes, not_ints
 
 
@@ -148,6 +168,9 @@ def child_main(module_name: str, group: str, examples: str, log_path: str) -> in
     module.teardown()
     left = objects()
     assert not left, f"ggml objects left alive: {left}"
-    print(f"group {group}: cases tried: {run.stats['cases']} (errors raised: {run.stats['errors']}, "
-          f"examples: {run.n_examples})", flush=True)
+    print(
+        f"group {group}: cases tried: {run.stats['cases']} (errors raised: {run.stats['errors']}, "
+        f"examples: {run.n_examples})",
+        flush=True,
+    )
     return 0

@@ -28,7 +28,7 @@ INCLUDE_DIR = LIBS / "include"
 EXPORTS_MAP = HERE / "exports.map"
 # C compiled into the extension next to ggml: custom ops (ggml_custom_4d) the Python layer builds,
 # the AMX tile helper a llama.cpp host calls, and the capability query with the build stamp
-OP_SOURCES = [HERE / "screened_argmax.c", HERE / "amx_tiles.c", HERE / "kernels.c"]
+OP_SOURCES = [HERE / "screened_argmax.c", HERE / "dynamic_conv.c", HERE / "amx_tiles.c", HERE / "kernels.c"]
 # static libraries: dependents before what they use (the group below tolerates any order anyway)
 CORE_LIBRARIES = ["ggml", "ggml-cpu", "ggml-base"]
 
@@ -57,7 +57,9 @@ def make_ffibuilder() -> FFI:
     if not (LIB_DIR / "libggml.a").exists():
         raise RuntimeError(f"ggml is not built: {LIB_DIR / 'libggml.a'} is missing; run ./build_ggml.sh")
     if not (INCLUDE_DIR / "pyggml_dkv_build.h").exists() or not read_lines("variant"):
-        raise RuntimeError(f"{LIBS} lacks the build record (include/pyggml_dkv_build.h, variant): rebuild ggml with ./build_ggml.sh")
+        raise RuntimeError(
+            f"{LIBS} lacks the build record (include/pyggml_dkv_build.h, variant): rebuild ggml with ./build_ggml.sh"
+        )
     optional = built_backends()
     cdefs = (HERE / "cdefs_core.h").read_text()
     includes = ["ggml.h", "ggml-alloc.h", "ggml-backend.h", "ggml-cpu.h"]
@@ -77,7 +79,9 @@ def make_ffibuilder() -> FFI:
     macros = [("PYGGML_DKV_WITH_RPC", "1")] if "rpc" in optional else []
     archives = [str(LIB_DIR / f"lib{name}.a") for name in libraries]
     # an ASan build of ggml (GGML_SANITIZE=address) instruments our own C too (the custom ops)
-    sanitize = ["-fsanitize=address", "-fno-omit-frame-pointer"] if "asan" in read_lines("variant")[0].split("-") else []
+    sanitize = (
+        ["-fsanitize=address", "-fno-omit-frame-pointer"] if "asan" in read_lines("variant")[0].split("-") else []
+    )
 
     ffibuilder = FFI()
     ffibuilder.cdef(cdefs)
@@ -89,10 +93,18 @@ def make_ffibuilder() -> FFI:
         define_macros=macros,
         extra_compile_args=sanitize,
         # relink whenever ggml was rebuilt, even when the generated C source is unchanged
-        depends=[*archives, str(LIBS / "link-args"), str(EXPORTS_MAP), *map(str, OP_SOURCES), str(HERE / "custom_ops.h"),
-                 str(INCLUDE_DIR / "pyggml_dkv_build.h")],
+        depends=[
+            *archives,
+            str(LIBS / "link-args"),
+            str(EXPORTS_MAP),
+            *map(str, OP_SOURCES),
+            str(HERE / "custom_ops.h"),
+            str(INCLUDE_DIR / "pyggml_dkv_build.h"),
+        ],
         extra_link_args=[
-            "-Wl,--start-group", *archives, "-Wl,--end-group",
+            "-Wl,--start-group",
+            *archives,
+            "-Wl,--end-group",
             # ggml's symbols stay inside the extension: hidden, and only PyInit_* exported
             "-Wl,--exclude-libs,ALL",
             f"-Wl,--version-script={EXPORTS_MAP}",

@@ -107,6 +107,8 @@ struct ggml_tensor * ggml_reshape_4d(struct ggml_context * ctx, struct ggml_tens
 struct ggml_tensor * ggml_permute(struct ggml_context * ctx, struct ggml_tensor * a, int axis0, int axis1, int axis2, int axis3);
 struct ggml_tensor * ggml_cont(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_concat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, int dim);
+struct ggml_tensor * ggml_repeat_4d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
+struct ggml_tensor * ggml_pad_ext(struct ggml_context * ctx, struct ggml_tensor * a, int lp0, int rp0, int lp1, int rp1, int lp2, int rp2, int lp3, int rp3);
 struct ggml_tensor * ggml_cpy(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 struct ggml_tensor * ggml_cast(struct ggml_context * ctx, struct ggml_tensor * a, enum ggml_type type);
 
@@ -124,6 +126,7 @@ struct ggml_tensor * ggml_softplus(struct ggml_context * ctx, struct ggml_tensor
 struct ggml_tensor * ggml_tanh(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_scale(struct ggml_context * ctx, struct ggml_tensor * a, float s);
 struct ggml_tensor * ggml_argmax(struct ggml_context * ctx, struct ggml_tensor * a);
+struct ggml_tensor * ggml_top_k(struct ggml_context * ctx, struct ggml_tensor * a, int k);
 #define GGML_N_TASKS_MAX ...
 typedef void (*ggml_custom_op_t)(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 struct ggml_tensor * ggml_custom_4d(struct ggml_context * ctx, enum ggml_type type, int64_t ne0, int64_t ne1,
@@ -278,6 +281,8 @@ ggml_backend_dev_t pyggml_dkv_cpu_dkv_device(void);
 /* ---- custom ops compiled into the extension (_cffi/*.c) ---- */
 /* screened_argmax.c: a ggml_custom_op_t for ggml_custom_4d (pyggml_dkv/ggml/ops_screen.py) */
 void pyggml_dkv_screened_argmax(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+/* dynamic_conv.c: DFlash-2's dynamic convolution, for ggml_custom_4d (pyggml_dkv/ggml/ops_conv.py) */
+void pyggml_dkv_dynamic_conv(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
 /* amx_tiles.c: ggml's AMX matmul tile configuration on the calling thread (1 loaded, 0 no AMX) */
 int pyggml_dkv_load_ggml_matmul_tiles(void);

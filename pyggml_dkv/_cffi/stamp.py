@@ -50,9 +50,11 @@ def expected_build(libs_dir: Path = LIBS_DIR) -> BuildStamp:
 
 def extension_build(ffi: Any, lib: Any) -> BuildStamp:
     """What the extension was compiled with (its baked-in stamp)."""
-    return BuildStamp(ffi.string(lib.pyggml_dkv_built_ggml_version()).decode(),
-                      ffi.string(lib.pyggml_dkv_built_variant()).decode(),
-                      ffi.string(lib.pyggml_dkv_built_ggml_build_id()).decode())
+    return BuildStamp(
+        ffi.string(lib.pyggml_dkv_built_ggml_version()).decode(),
+        ffi.string(lib.pyggml_dkv_built_variant()).decode(),
+        ffi.string(lib.pyggml_dkv_built_ggml_build_id()).decode(),
+    )
 
 
 def check_extension(ffi: Any, lib: Any) -> BuildStamp:

@@ -8,8 +8,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def lazy_exports(package: str, names: Mapping[str, str], namespace: dict[str, Any],
-                 public: list[str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    package: str, names: Mapping[str, str], namespace: dict[str, Any], public: list[str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """(__getattr__, __dir__) for `package`: name -> the module (relative to the package) that
     defines it; a loaded name is cached in the package's `namespace`."""
 

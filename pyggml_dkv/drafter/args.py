@@ -10,7 +10,7 @@ import numpy as np
 from ..common.checks import check_choice, check_int
 from ..ggml import Backend, Buffer, GGMLError, Tensor, bf16_attention_supported
 from ..ggml.capabilities import BF16_ATTENTION_KERNEL
-from ..model.backend_weights import BackendWeights, upload_matrix
+from .backend_weights import BackendWeights, upload_matrix
 from .masks import SWA_MODES
 
 CACHE_TYPES = ("f16", "f32")
@@ -35,8 +35,10 @@ def check_drafter_args(weights: Any, backend: Any, cap: Any, cache_type: str, sw
     check_choice("swa", swa, SWA_MODES)
     check_choice("attention", attention, ATTENTION_PRECISIONS)
     if attention == "bf16" and not bf16_attention_supported():
-        raise ValueError(f"attention='bf16' needs a ggml build with our bf16 attention kernel ({BF16_ATTENTION_KERNEL!r}; "
-                         "built_capabilities() lists this build's; a GGML_SRC build has none)")
+        raise ValueError(
+            f"attention='bf16' needs a ggml build with our bf16 attention kernel ({BF16_ATTENTION_KERNEL!r}; "
+            "built_capabilities() lists this build's; a GGML_SRC build has none)"
+        )
     return cap
 
 
@@ -44,8 +46,9 @@ def check_drafter_args(weights: Any, backend: Any, cap: Any, cache_type: str, sw
 LM_HEAD_DTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
-def vocab_matrix(matrix: Any, name: str, weights: BackendWeights, backend: Backend,
-                 dtype: str | None = None) -> tuple[Tensor | None, Buffer | None]:
+def vocab_matrix(
+    matrix: Any, name: str, weights: BackendWeights, backend: Backend, dtype: str | None = None
+) -> tuple[Tensor | None, Buffer | None]:
     """A (vocab, hidden) target matrix on the backend: (tensor, the buffer we uploaded it into or None).
 
     The lm_head is only ever the matrix of a product, so with q8_0 weights it may be repacked for
@@ -57,8 +60,10 @@ def vocab_matrix(matrix: Any, name: str, weights: BackendWeights, backend: Backe
         if matrix is None:
             raise ValueError(f"{name}_dtype={dtype!r} was given without a {name}")
         if isinstance(matrix, Tensor):
-            raise ValueError(f"{name}_dtype={dtype!r} applies to a {name} given as an array; this {name} is an "
-                             f"uploaded {matrix.type} Tensor")
+            raise ValueError(
+                f"{name}_dtype={dtype!r} applies to a {name} given as an array; this {name} is an "
+                f"uploaded {matrix.type} Tensor"
+            )
     if matrix is None:
         return None, None
     cfg = weights.cfg

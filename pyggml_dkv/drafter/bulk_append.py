@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..ggml import Backend, Buffer, Context, Gallocr, Graph, Tensor
-from ..model.backend_weights import BackendWeights
 from . import layers as L
+from .backend_weights import BackendWeights
 from .features import FeatureRing
 
 BULK_CHUNK = 1024  # rows per temporary graph
@@ -28,15 +28,23 @@ def read_rows(ring: FeatureRing, positions: np.ndarray) -> np.ndarray:
     return np.concatenate([ring.read(a, b - a) for a, b in contiguous_runs(positions)])
 
 
-def bulk_append(weights: BackendWeights, backend: Backend, k_cache: list[Tensor], v_cache: list[Tensor],
-                ring: FeatureRing, positions: np.ndarray, cap: int, first_row: int = 0) -> None:
+def bulk_append(
+    weights: BackendWeights,
+    backend: Backend,
+    k_cache: list[Tensor],
+    v_cache: list[Tensor],
+    ring: FeatureRing,
+    positions: np.ndarray,
+    cap: int,
+    first_row: int = 0,
+) -> None:
     """Write the K/V of ascending `positions` into ring slots positions % cap, BULK_CHUNK at a time;
     the slots of a lane start at `first_row` of the caches."""
     cfg = weights.cfg
     size = 64 * cfg.n_layer + 64
     matrices = weights.bulk  # hundreds of rows: the kernels' copies for those (q8_0 on AMX CPUs)
     for first in range(0, positions.size, BULK_CHUNK):
-        chunk = positions[first:first + BULK_CHUNK]
+        chunk = positions[first : first + BULK_CHUNK]
         n = chunk.size
         with Context(n_tensors=3) as in_ctx, Context(n_tensors=size, graph_size=size) as g:
             feat = in_ctx.new_tensor("f32", cfg.fc_in, n, name="bulk_feat")

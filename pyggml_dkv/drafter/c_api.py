@@ -12,15 +12,41 @@ from __future__ import annotations
 from typing import Any
 
 from ..ggml import Backend, GGMLError
-from ..model.backend_weights import BackendWeights
+from .backend_weights import BackendWeights
 from .cache import DraftKvCache
 from .features import FeatureRing
 
 _STATE_FIELDS = (
-    "cap", "q_len", "kv_total", "a_step", "trash_slot", "fc_in", "any_full", "any_swa",
-    "mem_ctx", "mem_buf", "k_cache", "v_cache", "inp_embed", "pos_q", "noise_rows", "mask_full", "mask_swa",
-    "ap_feat", "ap_pos", "ap_rows", "g_ctx", "gf", "galloc", "hidden_states", "logits", "next_pos", "slot_pos",
-    "inp_tokens", "draft_ids", "lanes",
+    "cap",
+    "q_len",
+    "kv_total",
+    "a_step",
+    "trash_slot",
+    "fc_in",
+    "any_full",
+    "any_swa",
+    "mem_ctx",
+    "mem_buf",
+    "k_cache",
+    "v_cache",
+    "inp_embed",
+    "pos_q",
+    "noise_rows",
+    "mask_full",
+    "mask_swa",
+    "ap_feat",
+    "ap_pos",
+    "ap_rows",
+    "g_ctx",
+    "gf",
+    "galloc",
+    "hidden_states",
+    "logits",
+    "next_pos",
+    "slot_pos",
+    "inp_tokens",
+    "draft_ids",
+    "lanes",
 )
 
 
@@ -40,8 +66,16 @@ class DraftKvState:
         raise AttributeError(name)
 
 
-def draft_kv_init(st: DraftKvState, dw: BackendWeights, backend: Backend, cap: int, lm_head: Any = None,
-                  cache_type: str = "f16", swa: str = "seed", lanes: int = 1) -> bool:
+def draft_kv_init(
+    st: DraftKvState,
+    dw: BackendWeights,
+    backend: Backend,
+    cap: int,
+    lm_head: Any = None,
+    cache_type: str = "f16",
+    swa: str = "seed",
+    lanes: int = 1,
+) -> bool:
     """Allocate caches + inputs and build the step graphs. Raises on bad input; returns True."""
     if st.cache is not None:
         draft_kv_free(st)
@@ -63,8 +97,9 @@ def draft_kv_free(st: DraftKvState) -> None:
     st.built_for = None
 
 
-def draft_kv_begin_step(st: DraftKvState, dw: BackendWeights, backend: Backend, ring: FeatureRing, committed: int,
-                        lane: int = 0) -> bool:
+def draft_kv_begin_step(
+    st: DraftKvState, dw: BackendWeights, backend: Backend, ring: FeatureRing, committed: int, lane: int = 0
+) -> bool:
     """Bring lane `lane` of the cache up to `committed` and fill its step inputs; then the host
     sets `st.inp_embed`, computes `st.gf` on the backend and reads `st.hidden_states`."""
     if st.cache is None:

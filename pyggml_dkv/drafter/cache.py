@@ -24,14 +24,15 @@ from ..common.checks import check_choice, check_int, is_int
 from ..ggml import Backend, GGMLError, Graph, Tensor, host_array
 from ..ggml.delta import DeltaUpload
 from ..ggml.writer import TensorWriter
-from ..model.backend_weights import BackendWeights
 from ..model.config import DraftConfig
 from . import layers as L
 from .args import MAX_LANES, check_drafter_args, check_noise_embed, check_token_ids, vocab_matrix
+from .backend_weights import BackendWeights
 from .bulk_append import bulk_append, copy_lane_rows
 from .features import FeatureRing, check_window
 from .head_screen import LM_HEAD_SCREENS, HeadScreen
 from .masks import StepMasks
+from .selector_walk import SelectorLattice
 from .slots import LaneState, SlotBook
 from .step_graph import BuiltStepGraph, CacheMemory, Geometry, build_step_graph
 from .step_inputs import StepInputs
@@ -42,9 +43,20 @@ log = logging.getLogger(__name__)
 class DraftKvCache:
     """Context-KV ring cache + the once-built step graphs of a DFlash drafter."""
 
-    def __init__(self, weights: BackendWeights, backend: Backend, cap: int, lm_head: Any = None,
-                 cache_type: str = "f16", swa: str = "seed", embed_tokens: Any = None, attention: str = "f32",
-                 lm_head_dtype: str | None = None, lm_head_screen: str | None = None, lanes: int = 1) -> None:
+    def __init__(
+        self,
+        weights: BackendWeights,
+        backend: Backend,
+        cap: int,
+        lm_head: Any = None,
+        cache_type: str = "f16",
+        swa: str = "seed",
+        embed_tokens: Any = None,
+        attention: str = "f32",
+        lm_head_dtype: str | None = None,
+        lm_head_screen: str | None = None,
+        lanes: int = 1,
+    ) -> None:
         """`lanes`: requests drafted in one compute (docs/design.md, "Lanes"). With lanes > 1, `step`
         and `step_tokens` take a list with one entry per lane for `rings`, `committed` and the noise
         (None for an idle lane) and return a list of per-lane results (None for idle lanes);
@@ -84,19 +96,49 @@ class DraftKvCache:
         self.kv_total, self.mask_rows, self.fc_in = geo.kv_total, geo.mask_rows, cfg.fc_in
         # over RPC, masks whose context part is one row for all query rows travel as that row and
         # the device adds it to their base (drafter.masks); in local memory a whole upload is cheaper
-        masks = [StepMasks(geo.q_len, groups, cap, geo.kv_total, cap, self.any_full, self.any_swa, swa,
-                           cfg.swa_window, split=backend.kind == "rpc") for _ in range(lanes)]
+        masks = [
+            StepMasks(
+                geo.q_len,
+                groups,
+                cap,
+                geo.kv_total,
+                cap,
+                self.any_full,
+                self.any_swa,
+                swa,
+                cfg.swa_window,
+                split=backend.kind == "rpc",
+            )
+            for _ in range(lanes)
+        ]
         try:
             self.lm_head = self._vocab_matrix(lm_head, "lm_head", lm_head_dtype)
             self.head_screen = None
             if lm_head_screen is not None:
                 check_choice("lm_head_screen", lm_head_screen, LM_HEAD_SCREENS)
+                if cfg.is_dflash2:
+                    raise ValueError(
+                        "lm_head_screen does not apply to a DFlash-2 drafter: its candidate "
+                        "selector reads every row's top-k logits, so each step computes the full head"
+                    )
                 if self.lm_head is None:
                     raise ValueError(f"lm_head_screen={lm_head_screen!r} was given without an lm_head")
                 self.head_screen = self._own(HeadScreen(backend, self.lm_head, cfg))
             self.embed_tokens = self._vocab_matrix(embed_tokens, "embed_tokens")
-            self.memory = self._own(CacheMemory(weights, backend, geo, cache_type, masks[0],
-                                                token_input=self.embed_tokens is not None))
+            # a DFlash-2 step drafts by its selector's walk: that needs the anchor ids (token input)
+            # and the logits
+            self.selector = cfg.is_dflash2 and self.embed_tokens is not None and self.lm_head is not None
+            self.memory = self._own(
+                CacheMemory(
+                    weights,
+                    backend,
+                    geo,
+                    cache_type,
+                    masks[0],
+                    token_input=self.embed_tokens is not None,
+                    selector=self.selector,
+                )
+            )
             # one graph per number of leading lanes and fold-in size (geometry.graph_keys), all over
             # the same memory; a step computes the smallest that takes its lanes and new rows, the
             # last (every lane, lanes * a_step rows) is `gf`. With a screen these yield the screened
@@ -109,7 +151,12 @@ class DraftKvCache:
             raise
         mem = self.memory
         self.k_cache, self.v_cache, self.mem_ctx, self.mem_buf = mem.k_cache, mem.v_cache, mem.ctx, mem.buf
-        self.inp_embed, self.inp_tokens, self.pos_q, self.noise_rows = mem.inp_embed, mem.inp_tokens, mem.pos_q, mem.noise_rows
+        self.inp_embed, self.inp_tokens, self.pos_q, self.noise_rows = (
+            mem.inp_embed,
+            mem.inp_tokens,
+            mem.pos_q,
+            mem.noise_rows,
+        )
         self.mask_full, self.mask_swa = mem.mask_full, mem.mask_swa
         # of the noise block typically only the first row changes (the mask token's embedding
         # repeats): over RPC only those bytes travel (the masks likewise, in StepInputs)
@@ -135,11 +182,26 @@ class DraftKvCache:
         log.debug("DraftKvCache %s: %d graph nodes", geo, self.n_nodes)
 
     def _build_graphs(self, head_screen: HeadScreen | None) -> dict[tuple[int, int], BuiltStepGraph]:
-        return {(n, rows): self._own(build_step_graph(self.weights, self.backend, self.memory, self.geometry,
-                                                      self.layer_swa, self.fold_gqa,
-                                                      self.attention == "bf16" and self.backend.is_cpu, self.lm_head,
-                                                      self.embed_tokens, self._fold_in_computed, n, rows, head_screen))
-                for n, rows in self.geometry.graph_keys()}
+        return {
+            (n, rows): self._own(
+                build_step_graph(
+                    self.weights,
+                    self.backend,
+                    self.memory,
+                    self.geometry,
+                    self.layer_swa,
+                    self.fold_gqa,
+                    self.attention == "bf16" and self.backend.is_cpu,
+                    self.lm_head,
+                    self.embed_tokens,
+                    self._fold_in_computed,
+                    n,
+                    rows,
+                    head_screen,
+                )
+            )
+            for n, rows in self.geometry.graph_keys()
+        }
 
     def _own(self, obj: Any) -> Any:
         self._owned.append(obj)
@@ -147,7 +209,7 @@ class DraftKvCache:
 
     def _vocab_matrix(self, matrix: Any, name: str, dtype: str | None = None) -> Any:
         tensor, buf = vocab_matrix(matrix, name, self.weights, self.backend, dtype)
-        if buf is not None:
+        if tensor is not None and buf is not None:  # (a buffer comes with its tensor)
             self._own(tensor.ctx)  # its metadata context too (closed after the buffer): nothing outlives close()
             self._own(buf)
         return tensor
@@ -199,7 +261,7 @@ class DraftKvCache:
             while self._owned:
                 self._owned.pop().close()
 
-    def __enter__(self) -> "DraftKvCache":
+    def __enter__(self) -> DraftKvCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -249,8 +311,13 @@ class DraftKvCache:
             state.forget_pending()
             target.slots.clear()
             if (state.slots.slot_pos >= 0).any():
-                copy_lane_rows(self.backend, [*self.k_cache, *self.v_cache], self.cap,
-                               int(src) * self.kv_total, int(dst) * self.kv_total)
+                copy_lane_rows(
+                    self.backend,
+                    [*self.k_cache, *self.v_cache],
+                    self.cap,
+                    int(src) * self.kv_total,
+                    int(dst) * self.kv_total,
+                )
             # the bookkeeping of the rows moves with them; dst's masks and noise inputs are its
             # own device planes (rewritten at its next step), so they stay
             self._lanes[int(dst)], self._lanes[int(src)] = state, LaneState(self.cap)
@@ -322,8 +389,9 @@ class DraftKvCache:
         new = slots.missing(lo, committed)
         if new.size > self.a_step:  # too many for the fold-in: temporary graphs
             try:
-                bulk_append(self.weights, self.backend, self.k_cache, self.v_cache, ring, new, self.cap,
-                            lane * self.kv_total)
+                bulk_append(
+                    self.weights, self.backend, self.k_cache, self.v_cache, ring, new, self.cap, lane * self.kv_total
+                )
             except BaseException:
                 slots.clear()
                 raise
@@ -359,8 +427,11 @@ class DraftKvCache:
         copy out (logits: 3 MB a step at a 49152-token vocabulary, ~0.3 ms); the array is then the
         tensor's data until the next step. None where the tensor is not in host memory (GPU, RPC:
         it is downloaded after the compute)."""
-        tensor = getattr((self.logit_graphs if logits else self.graphs)[self._bucket], output)
-        if not tensor.in_host_memory:
+        built = (self.logit_graphs if logits else self.graphs)[self._bucket]
+        tensor = getattr(built, output)
+        if not tensor.in_host_memory or (output in ("draft_ids", "logits") and built.selector is not None):
+            # a DFlash-2 graph's selector reads the logits through views made when the graph was
+            # built, and its walk writes the ids into the cache's memory: neither tensor may move
             return tensor, None
         out = host_array(tensor.shape, tensor.numpy_dtype)
         tensor.place_in(out)
@@ -372,17 +443,25 @@ class DraftKvCache:
         screened one (its exact `draft_ids` only)."""
         self.next_graph(logits).compute(self.backend)
 
-    def _lane_args(self, rings: Any, committed: Any, noise: Any, noise_name: str) -> list[tuple[int, FeatureRing, int, Any]]:
+    def _lane_args(
+        self, rings: Any, committed: Any, noise: Any, noise_name: str
+    ) -> list[tuple[int, FeatureRing, int, Any]]:
         """The active lanes of a step as (lane, ring, committed, noise), every argument checked
         before any lane's state changes."""
         if self.lanes == 1:
             return [(0, rings, check_window(rings, committed, self.cap, self.fc_in), noise)]
         args = {"rings": rings, "committed": committed, noise_name: noise}
         for name, value in args.items():
-            if isinstance(value, (str, bytes, np.ndarray)) or not isinstance(value, Sequence) or len(value) != self.lanes:
-                raise ValueError(f"this cache has {self.lanes} lanes: {name} must be a list of {self.lanes} "
-                                 f"entries (None for an idle lane), got {type(value).__name__}"
-                                 + (f" of {len(value)}" if isinstance(value, Sequence) else ""))
+            if (
+                isinstance(value, (str, bytes, np.ndarray))
+                or not isinstance(value, Sequence)
+                or len(value) != self.lanes
+            ):
+                raise ValueError(
+                    f"this cache has {self.lanes} lanes: {name} must be a list of {self.lanes} "
+                    f"entries (None for an idle lane), got {type(value).__name__}"
+                    + (f" of {len(value)}" if isinstance(value, Sequence) else "")
+                )
         active = []
         for lane, (ring, pos, blk) in enumerate(zip(rings, committed, noise)):
             given = [ring is not None, pos is not None, blk is not None]
@@ -418,8 +497,22 @@ class DraftKvCache:
             return out
         per_lane: list[np.ndarray | None] = [None] * self.lanes
         for lane, *_ in active:
-            per_lane[lane] = out[lane * self.q_len:(lane + 1) * self.q_len]
+            per_lane[lane] = out[lane * self.q_len : (lane + 1) * self.q_len]
         return per_lane
+
+    def _split_lattices(self, active: list[tuple[int, FeatureRing, int, Any]]) -> Any:
+        """The lattice of each active lane's block from the graph computed last (docs/dflash2.md)."""
+        sel = self._computed.selector
+        assert sel is not None
+        candidates = sel.candidates.numpy().astype(np.int64)  # (rows, k)
+        first, rest = sel.first.numpy(), sel.rest.numpy()  # (lanes, 1, k), (lanes, block - 1, k, k)
+        q = self.q_len
+        per_lane: list[SelectorLattice | None] = [None] * self.lanes
+        for lane, *_ in active:
+            scores = rest[lane].copy()
+            scores[0] = first[lane, 0][None, :]  # position 1 follows the anchor, whatever the row
+            per_lane[lane] = SelectorLattice(candidates[lane * q + 1 : (lane + 1) * q], scores)
+        return per_lane if self.lanes > 1 else per_lane[0]
 
     def step(self, rings: Any, committed: Any, noise_embed: Any) -> Any:
         """One draft step: hidden states (q_len, hidden), or logits (q_len, vocab) with an lm_head
@@ -432,7 +525,10 @@ class DraftKvCache:
             if self.inp_embed is None:
                 raise GGMLError("this cache takes token ids (it was built with embed_tokens): use step_tokens()")
             active = self._lane_args(rings, committed, noise_embed, "noise_embed")
-            checked = [(lane, ring, pos, check_noise_embed(blk, self.q_len, self.cfg.hidden)) for lane, ring, pos, blk in active]
+            checked = [
+                (lane, ring, pos, check_noise_embed(blk, self.q_len, self.cfg.hidden))
+                for lane, ring, pos, blk in active
+            ]
             self._begin_lanes(checked, self._embed_uploads, "upload")
             tensor, out = self._output_in_new_array("hidden_states" if self.lm_head is None else "logits", logits=True)
             self.compute(logits=True)
@@ -440,15 +536,20 @@ class DraftKvCache:
 
     def step_tokens(self, rings: Any, committed: Any, tokens: Any, output: str = "ids") -> Any:
         """One draft step from token ids (needs embed_tokens): `output` "ids" (per-row argmax,
-        needs lm_head), "logits" or "hidden". A new array each step, computed into as step()'s.
-        With lanes: lists with one entry per lane (None: idle), and a list of per-lane results."""
+        needs lm_head; a DFlash-2 drafter's: row 0 unused, rows 1.. its selector's greedy walk),
+        "logits", "hidden", or (DFlash-2) "lattice": the block's SelectorLattice
+        (drafter.selector_walk), for walks the graph does not take. A new array each step,
+        computed into as step()'s. With lanes: lists with one entry per lane (None: idle), and a
+        list of per-lane results."""
         with self._exclusive("use one cache per thread"):
             self._check_usable()
             if self.inp_tokens is None:
                 raise GGMLError("this cache takes embeddings (built without embed_tokens): use step()")
-            check_choice("output", output, ("ids", "logits", "hidden"))
+            check_choice("output", output, ("ids", "logits", "hidden", "lattice"))
             if output != "hidden" and self.lm_head is None:
                 raise GGMLError(f"output={output!r} needs the cache to be built with an lm_head")
+            if output == "lattice" and not self.selector:
+                raise GGMLError("output='lattice' needs a DFlash-2 drafter (its candidate selector)")
             active = self._lane_args(rings, committed, tokens, "tokens")
             vocab = self.embed_tokens.ne[1]
             checked = []
@@ -458,6 +559,9 @@ class DraftKvCache:
                 except ValueError as e:
                     raise ValueError(f"lane {lane}: {e}" if self.lanes > 1 else str(e)) from None
             self._begin_lanes(checked, self._token_writers, "write")
+            if output == "lattice":
+                self.compute()
+                return self._split_lattices(checked)
             name = {"ids": "draft_ids", "logits": "logits", "hidden": "hidden_states"}[output]
             tensor, out = self._output_in_new_array(name, logits=output == "logits")
             self.compute(logits=output == "logits")
@@ -469,6 +573,7 @@ class DraftKvCache:
                 if bad.size:  # the screened argmax marks rows it has no id for (ggml/ops_screen.py)
                     if (out[bad] == -2).any():
                         raise MemoryError("the screened argmax could not allocate its scratch memory: no draft ids")
-                    raise FloatingPointError(f"the drafter's hidden states at noise rows {bad.tolist()} "
-                                             "are not finite: no draft ids")
+                    raise FloatingPointError(
+                        f"the drafter's hidden states at noise rows {bad.tolist()} are not finite: no draft ids"
+                    )
             return self._split_lanes(out, checked)

@@ -25,18 +25,19 @@ import numpy as np
 
 from ..common.checks import check_int, is_int, is_real
 from ..common.sampling import sampling_probs
-from ..model.backend_weights import BackendWeights
-from .cache import DraftKvCache
-from .features import FeatureRing
 from ..ggml import Backend
 from ..model.weights import DraftWeights
+from .backend_weights import BackendWeights
+from .cache import DraftKvCache
+from .features import FeatureRing
+from .selector_walk import greedy_walk, sampled_walk
 
 log = logging.getLogger(__name__)
 
 
 def sample_rows(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """One categorical draw per row of p."""
-    u = rng.random(p.shape[0])[:, None]
+    u = rng.random(int(p.shape[0]))[:, None]
     ids = (np.cumsum(p, axis=1) < u).sum(axis=1)
     return np.minimum(ids, p.shape[1] - 1).astype(np.int64)
 
@@ -100,23 +101,42 @@ class Drafter:
             self.cfg = self.weights.cfg
             embed = np.asarray(embed_tokens)
             head = np.asarray(lm_head)
-            if embed.ndim != 2 or head.ndim != 2 or embed.shape[1] != self.cfg.hidden or head.shape[1] != self.cfg.hidden:
-                raise ValueError(f"embed_tokens and lm_head must be (vocab, hidden={self.cfg.hidden}), "
-                                 f"got {embed.shape} and {head.shape}")
+            if (
+                embed.ndim != 2
+                or head.ndim != 2
+                or embed.shape[1] != self.cfg.hidden
+                or head.shape[1] != self.cfg.hidden
+            ):
+                raise ValueError(
+                    f"embed_tokens and lm_head must be (vocab, hidden={self.cfg.hidden}), "
+                    f"got {embed.shape} and {head.shape}"
+                )
             if embed.shape[0] != head.shape[0]:
                 raise ValueError(f"embed_tokens has {embed.shape[0]} rows but lm_head has {head.shape[0]}")
             self.vocab = int(head.shape[0])
             self.embed_tokens, self.lm_head = embed, head  # host copies (e.g. for noise_embed())
             if not 0 <= self.cfg.mask_token_id < self.vocab:
-                raise ValueError(f"mask_token_id {self.cfg.mask_token_id} is outside the target's vocab of {self.vocab}")
+                raise ValueError(
+                    f"mask_token_id {self.cfg.mask_token_id} is outside the target's vocab of {self.vocab}"
+                )
             self.q_len = self.cfg.block_size
             self.lanes = check_int("lanes", lanes, 1)
-            self.rings = [FeatureRing(ring_cap or cap + 2 * self.q_len, self.cfg.fc_in, ring_dtype)
-                          for _ in range(self.lanes)]
+            self.rings = [
+                FeatureRing(ring_cap or cap + 2 * self.q_len, self.cfg.fc_in, ring_dtype) for _ in range(self.lanes)
+            ]
             self.ring = self.rings[0]
-            self.cache = DraftKvCache(self.weights, self.backend, cap, lm_head=head, cache_type=cache_type,
-                                      swa=swa, embed_tokens=embed, lm_head_dtype=lm_head_dtype,
-                                      lm_head_screen=lm_head_screen, lanes=self.lanes)
+            self.cache = DraftKvCache(
+                self.weights,
+                self.backend,
+                cap,
+                lm_head=head,
+                cache_type=cache_type,
+                swa=swa,
+                embed_tokens=embed,
+                lm_head_dtype=lm_head_dtype,
+                lm_head_screen=lm_head_screen,
+                lanes=self.lanes,
+            )
         except BaseException:
             self.close()
             raise
@@ -187,12 +207,22 @@ class Drafter:
     def _check_token(self, lane: int, last_token: Any) -> None:
         if self.rings[lane].written <= 0:
             where = f" on lane {lane}" if self.lanes > 1 else ""
-            raise ValueError(f"propose() needs the features of at least one committed token{where} (add_features first)")
+            raise ValueError(
+                f"propose() needs the features of at least one committed token{where} (add_features first)"
+            )
         if not is_int(last_token) or not 0 <= last_token < self.vocab:
             raise ValueError(f"last_token must be a token id in [0, {self.vocab}), got {last_token!r}")
 
-    def propose(self, last_token: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                rng: np.random.Generator | None = None, lane: int = 0) -> Any:
+    def propose(
+        self,
+        last_token: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        rng: np.random.Generator | None = None,
+        lane: int = 0,
+    ) -> Any:
         """Draft block_size-1 tokens after `last_token` (the last accepted token) in one graph compute.
 
         Greedy (temperature 0): returns the token ids (cut before the first one the drafter gives
@@ -205,18 +235,37 @@ class Drafter:
         tokens[int(lane)] = last_token
         return self.propose_lanes(tokens, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)[int(lane)]
 
-    def propose_lanes(self, last_tokens: Sequence[int | None], *, temperature: float | Sequence[float] = 0.0,
-                      top_k: int | Sequence[int] = 0, top_p: float | Sequence[float] = 1.0,
-                      rng: np.random.Generator | None = None) -> list[Any]:
+    def propose_lanes(
+        self,
+        last_tokens: Sequence[int | None],
+        *,
+        temperature: float | Sequence[float] = 0.0,
+        top_k: int | Sequence[int] = 0,
+        top_p: float | Sequence[float] = 1.0,
+        rng: np.random.Generator | Sequence[np.random.Generator | None] | None = None,
+    ) -> list[Any]:
         """Draft for every lane whose `last_tokens` entry is a token (None: idle) in one graph
         compute; returns one result per lane as propose() gives it (None for idle lanes). The
-        sampling settings are one for all lanes or one per lane."""
-        if isinstance(last_tokens, (str, bytes, np.ndarray)) or not isinstance(last_tokens, Sequence) \
-                or len(last_tokens) != self.lanes:
-            raise ValueError(f"last_tokens must be a list of {self.lanes} entries (a token id, or None for an idle lane)")
-        settings = {name: self._per_lane(name, value) for name, value in
-                    (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))}
-        active = [lane for lane, tok in enumerate(last_tokens) if tok is not None]
+        sampling settings, and the random generator sampled lanes draw from, are one for all
+        lanes or one per lane (a request's own generator: its draws then do not depend on the
+        other lanes')."""
+        if (
+            isinstance(last_tokens, (str, bytes, np.ndarray))
+            or not isinstance(last_tokens, Sequence)
+            or len(last_tokens) != self.lanes
+        ):
+            raise ValueError(
+                f"last_tokens must be a list of {self.lanes} entries (a token id, or None for an idle lane)"
+            )
+        settings = {
+            name: self._per_lane(name, value)
+            for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("rng", rng))
+        }
+        if any(r is not None and not isinstance(r, np.random.Generator) for r in settings["rng"]):
+            raise ValueError("rng must be a numpy Generator, None, or one of those per lane")
+        rngs = [r if r is not None else np.random.default_rng() for r in settings["rng"]]
+        given = {lane: tok for lane, tok in enumerate(last_tokens) if tok is not None}
+        active = list(given)
         if not active:
             raise ValueError("last_tokens has no token: every lane is idle")
         for lane in active:
@@ -225,15 +274,19 @@ class Drafter:
                 self._check_sampling(settings["temperature"][lane], settings["top_k"][lane], settings["top_p"][lane])
             except ValueError as e:
                 raise ValueError(f"lane {lane}: {e}" if self.lanes > 1 else str(e)) from None
-        for lane in active:
-            self._tokens[lane][0] = last_tokens[lane]
+        for lane, tok in given.items():
+            self._tokens[lane][0] = tok
         greedy_ids = self.p_min == 0.0 and all(settings["temperature"][lane] == 0 for lane in active)
         rings = [self.rings[i] if i in active else None for i in range(self.lanes)]
         committed = [self.rings[i].written if i in active else None for i in range(self.lanes)]
         tokens = [self._tokens[i] if i in active else None for i in range(self.lanes)]
-        if self.lanes == 1:
-            rings, committed, tokens = rings[0], committed[0], tokens[0]  # type: ignore[assignment]
-        out = self.cache.step_tokens(rings, committed, tokens, output="ids" if greedy_ids else "logits")
+        # the cache's arguments: one lane's own, or a list of every lane's
+        lane_args: tuple[Any, Any, Any] = (
+            (rings[0], committed[0], tokens[0]) if self.lanes == 1 else (rings, committed, tokens)
+        )
+        if self.cfg.is_dflash2:
+            return self._propose_dflash2(*lane_args, active, greedy_ids, settings["temperature"], rngs)
+        out = self.cache.step_tokens(*lane_args, output="ids" if greedy_ids else "logits")
         per_lane = out if self.lanes > 1 else [out]
         results: list[Any] = [None] * self.lanes
         for lane in active:
@@ -245,7 +298,35 @@ class Drafter:
                 results[lane] = confident_prefix(rows, self.p_min)
             else:
                 probs = sampling_probs(rows, t, settings["top_k"][lane], settings["top_p"][lane])
-                results[lane] = (sample_rows(probs, rng or np.random.default_rng()), probs)
+                results[lane] = (sample_rows(probs, rngs[lane]), probs)
+        return results
+
+    def _propose_dflash2(
+        self,
+        rings: Any,
+        committed: Any,
+        tokens: Any,
+        active: list[int],
+        greedy_ids: bool,
+        temperatures: list[float],
+        rngs: list[np.random.Generator],
+    ) -> list[Any]:
+        """DFlash-2 drafts come from the candidate selector's walk (docs/dflash2.md): greedy ids
+        from the graph's own walk; a p_min cut-off or a sampled path from the block's lattice.
+        Sampling returns (ids, probs) with probs[i] the distribution over the vocabulary that id i
+        was drawn from (its support: position i's top-k candidates); the user's top-k / top-p
+        apply to the target's distribution, not to these."""
+        out = self.cache.step_tokens(rings, committed, tokens, output="ids" if greedy_ids else "lattice")
+        per_lane = out if self.lanes > 1 else [out]
+        results: list[Any] = [None] * self.lanes
+        for lane in active:
+            t = temperatures[lane]
+            if greedy_ids:
+                results[lane] = per_lane[lane][1:].astype(np.int64)
+            elif t == 0:
+                results[lane] = greedy_walk(per_lane[lane], self.p_min)
+            else:
+                results[lane] = sampled_walk(per_lane[lane], t, self.vocab, rngs[lane])
         return results
 
     def _per_lane(self, name: str, value: Any) -> list[Any]:
@@ -264,7 +345,7 @@ class Drafter:
         if self._owns_backend and getattr(self, "backend", None) is not None:
             self.backend.close()
 
-    def __enter__(self) -> "Drafter":
+    def __enter__(self) -> Drafter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ..common.checks import is_int
 from ..common.bf16 import from_bf16_bits, to_bf16_bits
+from ..common.checks import is_int
 
 RING_DTYPES = ("f32", "f16", "bf16")
 
@@ -68,10 +68,11 @@ class FeatureRing:
 
     def _check_rows(self, rows: object) -> np.ndarray:
         arr = np.asarray(rows)
+        shape = arr.shape
         if arr.ndim == 1:
             arr = arr[None, :]
         if arr.ndim != 2 or arr.shape[1] != self.fc_in:
-            raise ValueError(f"feature rows must have shape (n, {self.fc_in}), got {np.shape(rows)}")
+            raise ValueError(f"feature rows must have shape (n, {self.fc_in}), got {shape}")
         if arr.dtype.kind != "f":
             raise TypeError(f"feature rows must be floating point, got dtype {arr.dtype}")
         if not np.isfinite(arr).all():
@@ -99,14 +100,14 @@ class FeatureRing:
         if pos < self.written:
             self._dropped(pos)
         if n > self.cap:  # only the last cap rows survive
-            arr, pos, skipped = arr[n - self.cap:], pos + n - self.cap, n - self.cap
+            arr, pos, skipped = arr[n - self.cap :], pos + n - self.cap, n - self.cap
             n = self.cap
         else:
             skipped = 0
         enc = self._encode(arr)
         first = pos % self.cap
         head = min(n, self.cap - first)
-        self._rows[first:first + head] = enc[:head]
+        self._rows[first : first + head] = enc[:head]
         self._rows[: n - head] = enc[head:]
         self.written = pos + n
         self.oldest = max(self.oldest, self.written - self.cap) if skipped == 0 else self.written - self.cap
@@ -148,16 +149,18 @@ class FeatureRing:
         if n == 0:
             return
         if start < self.oldest:
-            raise ValueError(f"positions from {start} were overwritten (oldest kept: {self.oldest}, ring cap {self.cap})")
+            raise ValueError(
+                f"positions from {start} were overwritten (oldest kept: {self.oldest}, ring cap {self.cap})"
+            )
         if start + n > self.written:
             raise ValueError(f"positions up to {start + n - 1} were never written (written={self.written})")
         first = start % self.cap
         head = min(n, self.cap - first)
         if self.dtype == "bf16":
-            out[:head] = from_bf16_bits(self._rows[first:first + head])
+            out[:head] = from_bf16_bits(self._rows[first : first + head])
             out[head:] = from_bf16_bits(self._rows[: n - head])
         else:
-            out[:head] = self._rows[first:first + head]
+            out[:head] = self._rows[first : first + head]
             out[head:] = self._rows[: n - head]
 
 
@@ -177,8 +180,10 @@ def check_window(ring: FeatureRing, committed: Any, cap: int, fc_in: int) -> int
         raise ValueError(f"committed={committed} but the ring only holds features up to position {ring.written - 1}")
     lo = committed - min(committed, cap)
     if lo < ring.oldest:
-        raise ValueError(f"the window [{lo}, {committed}) needs positions the ring has overwritten "
-                         f"(oldest kept: {ring.oldest}); make the ring at least cap={cap} rows")
+        raise ValueError(
+            f"the window [{lo}, {committed}) needs positions the ring has overwritten "
+            f"(oldest kept: {ring.oldest}); make the ring at least cap={cap} rows"
+        )
     return committed
 
 

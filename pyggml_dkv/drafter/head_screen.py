@@ -16,8 +16,8 @@ import logging
 
 from ..ggml import Backend, Buffer, Context, Tensor
 from ..ggml.screen import SCREEN_TYPE, screen_bounds
-from ..model.backend_weights import matrix_in_own_buffer
 from ..model.config import DraftConfig
+from .backend_weights import matrix_in_own_buffer
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,9 @@ class HeadScreen:
         self._owned: list = []
         try:
             screen = screen_bounds(lm_head.numpy())  # the exact values the op multiplies
-            self.scores_matrix, buf = matrix_in_own_buffer(backend, SCREEN_TYPE, (vocab, hidden), "lm_head.screen",
-                                                           matmul_only=True)
+            self.scores_matrix, buf = matrix_in_own_buffer(
+                backend, SCREEN_TYPE, (vocab, hidden), "lm_head.screen", matmul_only=True
+            )
             self._owned += [self.scores_matrix.ctx, buf]
             self.scores_matrix.set_bytes(screen.raw)
             ctx = Context(n_tensors=1)
@@ -58,10 +59,14 @@ def check_screenable(backend: Backend, lm_head: Tensor, cfg: DraftConfig) -> Non
     if not backend.is_cpu:
         raise ValueError(f"lm_head_screen needs the CPU backend (the screened argmax is a CPU op), got {backend.kind}")
     if lm_head.type not in ("f32", "f16", "bf16"):
-        raise ValueError(f"lm_head_screen screens an f32 / f16 / bf16 lm_head, this one is {lm_head.type} "
-                         "(a q8_0 head is already as cheap as its screen)")
+        raise ValueError(
+            f"lm_head_screen screens an f32 / f16 / bf16 lm_head, this one is {lm_head.type} "
+            "(a q8_0 head is already as cheap as its screen)"
+        )
     if lm_head.ne[0] % 32:
-        raise ValueError(f"lm_head_screen needs a hidden size that is a multiple of 32 (q8_0 blocks), got {lm_head.ne[0]}")
+        raise ValueError(
+            f"lm_head_screen needs a hidden size that is a multiple of 32 (q8_0 blocks), got {lm_head.ne[0]}"
+        )
     if lm_head.is_repacked:
         raise ValueError(f"lm_head {lm_head.name!r} is stored repacked; the screened argmax reads plain rows")
     if cfg.output_multiplier <= 0:

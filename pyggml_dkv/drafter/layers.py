@@ -11,16 +11,19 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..model.backend_weights import BackendWeights, Matrices
-from ..model.config import DraftConfig
 from ..ggml import Context, Tensor, lib
+from ..model.config import DraftConfig
+from . import dflash2_graph as D2
+from .backend_weights import BackendWeights, Matrices
 
 ROPE_NEOX = int(lib.GGML_ROPE_TYPE_NEOX)
 
 
 def graph_size_for(cfg: DraftConfig) -> int:
-    """Upper bound on nodes + leafs of a step graph (about 60 per layer, plus head and inputs)."""
-    return 128 * cfg.n_layer + 256
+    """Upper bound on nodes + leafs of a step graph (about 60 per layer, plus head and inputs,
+    plus DFlash-2's convolutions and selector)."""
+    extra = D2.graph_nodes(cfg.block_size, cfg.n_layer, cfg.conv_kernel_size) if cfg.is_dflash2 else 0
+    return 128 * cfg.n_layer + 256 + extra
 
 
 def norm(g: Context, x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -30,8 +33,19 @@ def norm(g: Context, x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rope(g: Context, x: Tensor, pos: Tensor, cfg: DraftConfig) -> Tensor:
     """NEOX RoPE (with the config's YaRN args) of x [head_dim, heads, tokens] at i32 positions [tokens]."""
-    return g.rope_ext(x, pos, cfg.head_dim, ROPE_NEOX, cfg.n_ctx_orig, cfg.rope_theta, cfg.freq_scale,
-                      cfg.ext_factor, cfg.attn_factor, cfg.beta_fast, cfg.beta_slow)
+    return g.rope_ext(
+        x,
+        pos,
+        cfg.head_dim,
+        ROPE_NEOX,
+        cfg.n_ctx_orig,
+        cfg.rope_theta,
+        cfg.freq_scale,
+        cfg.ext_factor,
+        cfg.attn_factor,
+        cfg.beta_fast,
+        cfg.beta_slow,
+    )
 
 
 def fuse_features(g: Context, w: Matrices, feat: Tensor) -> Tensor:
@@ -71,7 +85,9 @@ def kv_heads_view(g: Context, cache: Tensor, cfg: DraftConfig, n_rows: int, lane
     head_bytes = cache.nb[0] * cfg.head_dim
     if lanes == 1:
         return g.view(cache, (cfg.head_dim, n_rows, cfg.n_head_kv), (cache.nb[1], head_bytes), 0)
-    return g.view(cache, (cfg.head_dim, n_rows, cfg.n_head_kv, lanes), (cache.nb[1], head_bytes, cache.nb[1] * n_rows), 0)
+    return g.view(
+        cache, (cfg.head_dim, n_rows, cfg.n_head_kv, lanes), (cache.nb[1], head_bytes, cache.nb[1] * n_rows), 0
+    )
 
 
 def group_size(cfg: DraftConfig) -> int:
@@ -90,8 +106,19 @@ def fold_gqa(cfg: DraftConfig, backend_is_cpu: bool) -> bool:
     return backend_is_cpu and group_size(cfg) > 1
 
 
-def attend(g: Context, w: BackendWeights, layer: int, q: Tensor, k_all: Tensor, v_all: Tensor,
-           mask: Tensor, fold: bool, bf16_products: bool = False, lanes: int = 1, lane_rows: int = 0) -> Tensor:
+def attend(
+    g: Context,
+    w: BackendWeights,
+    layer: int,
+    q: Tensor,
+    k_all: Tensor,
+    v_all: Tensor,
+    mask: Tensor | None,
+    fold: bool,
+    bf16_products: bool = False,
+    lanes: int = 1,
+    lane_rows: int = 0,
+) -> Tensor:
     """Flash attention of q [head_dim, n_head, q_len * lanes] over [head_dim*n_head_kv, rows] K/V, then o_proj.
 
     With `lanes` > 1 the query rows are `lanes` blocks of q_len, lane l's block attends only to
@@ -138,12 +165,34 @@ def attend(g: Context, w: BackendWeights, layer: int, q: Tensor, k_all: Tensor, 
     return g.mul_mat(w.layer(layer, "self_attn.o_proj.weight"), out)
 
 
-def feed_forward(g: Context, w: BackendWeights, layer: int, h: Tensor) -> Tensor:
-    """h + down(silu(gate(hf)) * up(hf)), hf = RMSNorm(h) * post_attention_layernorm."""
-    hf = norm(g, h, w.layer(layer, "post_attention_layernorm.weight"), w.cfg.rms_eps)
+def mlp(g: Context, w: BackendWeights, layer: int, hf: Tensor) -> Tensor:
+    """down(silu(gate(hf)) * up(hf)) of the MLP's normed input hf."""
     gate = g.mul_mat(w.layer(layer, "mlp.gate_proj.weight"), hf)
     up = g.mul_mat(w.layer(layer, "mlp.up_proj.weight"), hf)
-    return g.add(h, g.mul_mat(w.layer(layer, "mlp.down_proj.weight"), g.mul(g.silu(gate), up)))
+    return g.mul_mat(w.layer(layer, "mlp.down_proj.weight"), g.mul(g.silu(gate), up))
+
+
+@dataclass
+class Convolutions:
+    """DFlash-2's convolutions around a noise block's sublayers (drafter.dflash2_graph): the
+    block's lanes, and whether the CPU's custom op computes them."""
+
+    lanes: int
+    custom_op: bool
+
+    def around(
+        self,
+        g: Context,
+        w: BackendWeights,
+        layer: int,
+        sublayer: str,
+        normed: Tensor,
+        inner: Callable[[Tensor], Tensor],
+    ) -> Tensor:
+        """conv(inner(conv(normed, side 0)), side 1), both sides' taps from the un-convolved normed input."""
+        deltas = D2.conv_deltas(g, w, layer, sublayer, normed)
+        x = D2.dynamic_conv(g, w, layer, sublayer, normed, deltas, 0, self.lanes, self.custom_op)
+        return D2.dynamic_conv(g, w, layer, sublayer, inner(x), deltas, 1, self.lanes, self.custom_op)
 
 
 @dataclass
@@ -173,8 +222,9 @@ def output_head(g: Context, w: BackendWeights, h: Tensor, lm_head: Tensor | None
     return Head(out, logits)
 
 
-def append_rows(g: Context, w: Matrices, k_caches: list[Tensor], v_caches: list[Tensor],
-                feat: Tensor, pos: Tensor, rows: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+def append_rows(
+    g: Context, w: Matrices, k_caches: list[Tensor], v_caches: list[Tensor], feat: Tensor, pos: Tensor, rows: Tensor
+) -> tuple[list[Tensor], list[Tensor]]:
     """Fold-in append: fuse feat [fc_in, n], write each layer's K/V of those rows into the caches at `rows`.
 
     Returns the caches as written (set_rows results): reading through them orders every read
@@ -198,9 +248,21 @@ def embed_tokens(g: Context, cfg: DraftConfig, table: Tensor, tokens: Tensor) ->
     return g.scale(h, cfg.input_embedding_scale) if cfg.input_embedding_scale != 1.0 else h
 
 
-def noise_forward(g: Context, w: BackendWeights, h: Tensor, pos_q: Tensor, kv_of_layer: KvOfLayer,
-                  masks: dict[bool, Tensor | None], layer_swa: list[bool], fold: bool,
-                  bf16_products: bool, lm_head: Tensor | None, lanes: int = 1, lane_rows: int = 0) -> Head:
+def noise_forward(
+    g: Context,
+    w: BackendWeights,
+    h: Tensor,
+    pos_q: Tensor,
+    kv_of_layer: KvOfLayer,
+    masks: dict[bool, Tensor | None],
+    layer_swa: list[bool],
+    fold: bool,
+    bf16_products: bool,
+    lm_head: Tensor | None,
+    lanes: int = 1,
+    lane_rows: int = 0,
+    convs: Convolutions | None = None,
+) -> Head:
     """The drafter's forward of the noise block h [hidden, q_len * lanes] at positions pos_q.
 
     With `lanes` > 1, h holds one noise block per lane, one after another; every product runs over
@@ -209,14 +271,25 @@ def noise_forward(g: Context, w: BackendWeights, h: Tensor, pos_q: Tensor, kv_of
 
     `kv_of_layer(layer, hn)` projects the block's own K/V and returns them joined with the
     context's (the cache writes them into its ring; the one-shot graph concatenates);
-    `masks[sliding]` is that layer type's mask (see drafter.masks).
+    `masks[sliding]` is that layer type's mask (see drafter.masks). `convs`: a DFlash-2 drafter's
+    convolutions around attention and the MLP (None for DFlash-1).
     """
     cfg = w.cfg
     for layer in range(cfg.n_layer):
-        hn = norm(g, h, w.layer(layer, "input_layernorm.weight"), cfg.rms_eps)
-        q = queries(g, w, layer, hn, pos_q)
-        k_all, v_all = kv_of_layer(layer, hn)
         mask = masks[layer_swa[layer]]
-        h = g.add(h, attend(g, w, layer, q, k_all, v_all, mask, fold, bf16_products, lanes, lane_rows))
-        h = feed_forward(g, w, layer, h)
+
+        def attention(hn: Tensor, layer: int = layer, mask: Tensor | None = mask) -> Tensor:
+            q = queries(g, w, layer, hn, pos_q)
+            k_all, v_all = kv_of_layer(layer, hn)
+            return attend(g, w, layer, q, k_all, v_all, mask, fold, bf16_products, lanes, lane_rows)
+
+        hn = norm(g, h, w.layer(layer, "input_layernorm.weight"), cfg.rms_eps)
+        h = g.add(h, convs.around(g, w, layer, D2.ATTENTION_CONV, hn, attention) if convs else attention(hn))
+        hf = norm(g, h, w.layer(layer, "post_attention_layernorm.weight"), cfg.rms_eps)
+
+        def feed_forward(x: Tensor, layer: int = layer) -> Tensor:
+            return mlp(g, w, layer, x)
+
+        ffn = convs.around(g, w, layer, D2.MLP_CONV, hf, feed_forward) if convs else feed_forward(hf)
+        h = g.add(h, ffn)
     return output_head(g, w, h, lm_head)

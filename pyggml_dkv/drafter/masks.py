@@ -11,6 +11,9 @@ Sliding layers, `swa="seed"`: the context window is anchored at `committed` (the
 min(swa_window, win) positions, the same for every row) and noise keys are causal.
 `swa="per_row"`: query row j at position committed + j sees key position k iff k <= committed + j
 and committed + j - k < swa_window (the PyTorch reference's rule).
+`swa="llama"`: llama.cpp's rule (non-causal DFlash attention, llama_hparams::is_masked_swa): query
+row j sees key position k, context or noise, unless committed + j - k >= swa_window; noise keys
+ahead of the row stay visible however far (docs/dflash2.md, section 4).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import numpy as np
 
 from ..common.checks import check_choice
 
-SWA_MODES = ("seed", "per_row", "off")
+SWA_MODES = ("seed", "per_row", "llama", "off")
+# the flavours whose sliding-layer context columns differ from row to row
+PER_ROW_MODES = ("per_row", "llama")
 NEG_INF = np.float16(-np.inf)
 ZERO = np.float16(0)
 
@@ -31,6 +36,8 @@ def noise_visible(q_len: int, sliding: bool, swa: str, window: int) -> np.ndarra
     dist = np.arange(q_len)[:, None] - np.arange(q_len)[None, :]  # j - i
     if swa == "per_row":
         return (dist >= 0) & (dist < window)
+    if swa == "llama":  # non-causal: only the keys window or more rows behind drop out
+        return dist < window
     return dist >= 0  # seed: causal
 
 
@@ -42,17 +49,16 @@ class MaskImage:
     or per row (q_len, n_ctx).
     """
 
-    def __init__(self, q_len: int, groups: int, n_ctx: int, n_cols: int, noise_col: int,
-                 noise_vis: np.ndarray) -> None:
+    def __init__(self, q_len: int, groups: int, n_ctx: int, n_cols: int, noise_col: int, noise_vis: np.ndarray) -> None:
         self.q_len, self.n_ctx = q_len, n_ctx
         self.image = np.full((groups * q_len, n_cols), NEG_INF, dtype=np.float16)
         # [groups, q_len, n_cols]: one query row's mask lands in all its folded copies at once
         self._rows = self.image.reshape(groups, q_len, n_cols)
-        self._rows[:, :, noise_col:noise_col + q_len] = np.where(noise_vis, ZERO, NEG_INF)
+        self._rows[:, :, noise_col : noise_col + q_len] = np.where(noise_vis, ZERO, NEG_INF)
 
     def set_context(self, visible: np.ndarray) -> np.ndarray:
         """Write the context columns (visible: (1 or q_len, n_ctx) bool); returns the image."""
-        self._rows[:, :, :self.n_ctx] = np.where(visible, ZERO, NEG_INF)
+        self._rows[:, :, : self.n_ctx] = np.where(visible, ZERO, NEG_INF)
         return self.image
 
 
@@ -66,8 +72,7 @@ class SplitMask:
     run per row, and over RPC each run costs a message (~313 bytes). As a row it is one run.
     """
 
-    def __init__(self, q_len: int, groups: int, n_ctx: int, n_cols: int, noise_col: int,
-                 noise_vis: np.ndarray) -> None:
+    def __init__(self, q_len: int, groups: int, n_ctx: int, n_cols: int, noise_col: int, noise_vis: np.ndarray) -> None:
         self.q_len, self.n_ctx = q_len, n_ctx
         whole = MaskImage(q_len, groups, n_ctx, n_cols, noise_col, noise_vis)
         whole.set_context(np.ones((1, n_ctx), dtype=bool))
@@ -78,7 +83,7 @@ class SplitMask:
         """Write the context columns (visible: (1, n_ctx) bool); returns the row."""
         if visible.shape[0] != 1:
             raise ValueError("a SplitMask's context visibility is one row for every query row")
-        self.row[:, :self.n_ctx] = np.where(visible, ZERO, NEG_INF)
+        self.row[:, : self.n_ctx] = np.where(visible, ZERO, NEG_INF)
         return self.row
 
 
@@ -92,21 +97,34 @@ class StepMasks:
     row, and the device adds it to the base.
     """
 
-    def __init__(self, q_len: int, groups: int, n_ctx: int, n_cols: int, noise_col: int,
-                 any_full: bool, any_swa: bool, swa: str, swa_window: int, split: bool = False) -> None:
+    def __init__(
+        self,
+        q_len: int,
+        groups: int,
+        n_ctx: int,
+        n_cols: int,
+        noise_col: int,
+        any_full: bool,
+        any_swa: bool,
+        swa: str,
+        swa_window: int,
+        split: bool = False,
+    ) -> None:
         self.swa = check_choice("swa", swa, SWA_MODES)
         self.window = swa_window
         self._q_offsets = np.arange(q_len, dtype=np.int64)[:, None]
         args = (q_len, groups, n_ctx, n_cols, noise_col)
         full_kind = SplitMask if split else MaskImage
-        swa_kind = SplitMask if split and swa != "per_row" else MaskImage
+        swa_kind = SplitMask if split and swa not in PER_ROW_MODES else MaskImage
         self.full = full_kind(*args, noise_visible(q_len, False, swa, swa_window)) if any_full else None
         self.sliding = swa_kind(*args, noise_visible(q_len, True, swa, swa_window)) if any_swa else None
 
     def fill_idle(self) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The (full, sliding) images of an idle lane: no context key visible (the noise keys
         stay, so no row's softmax is empty)."""
-        none = np.zeros((1, self.full.n_ctx if self.full is not None else self.sliding.n_ctx), dtype=bool)  # type: ignore[union-attr]
+        some = self.full if self.full is not None else self.sliding
+        assert some is not None, "a StepMasks has a full or a sliding mask"
+        none = np.zeros((1, some.n_ctx), dtype=np.bool_)
         full = self.full.set_context(none) if self.full is not None else None
         sliding = self.sliding.set_context(none) if self.sliding is not None else None
         return full, sliding
@@ -117,7 +135,7 @@ class StepMasks:
         full = self.full.set_context(live) if self.full is not None else None
         sliding = None
         if self.sliding is not None:
-            if self.swa == "per_row":
+            if self.swa in PER_ROW_MODES:  # context keys lie behind every row: both flavours window them alike
                 ahead = committed + self._q_offsets - key_pos[None, :]  # (q_len, n_ctx)
                 sliding = self.sliding.set_context(live & (ahead < self.window))
             else:  # seed: one window for every row, anchored at committed

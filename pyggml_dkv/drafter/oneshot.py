@@ -18,9 +18,9 @@ import numpy as np
 
 from ..common.checks import check_int
 from ..ggml import Backend, Buffer, Context, Gallocr, GGMLError, Graph, Tensor
-from ..model.backend_weights import BackendWeights
 from . import layers as L
 from .args import check_drafter_args, vocab_matrix
+from .backend_weights import BackendWeights
 from .features import FeatureRing
 from .masks import StepMasks
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class _WindowGraph:
     """The graph, inputs and allocator for one window length."""
 
-    def __init__(self, drafter: "OneShotDrafter", ctx_len: int) -> None:
+    def __init__(self, drafter: OneShotDrafter, ctx_len: int) -> None:
         cfg, w, be = drafter.cfg, drafter.weights, drafter.backend
         q_len = cfg.block_size
         n_kv = ctx_len + q_len
@@ -62,8 +62,19 @@ class _WindowGraph:
             v = g.concat(L.values(g, wc, layer, fused), L.values(g, w, layer, hn), 1)
             return g.cast(k, drafter.cache_type), g.cast(v, drafter.cache_type)
 
-        head = L.noise_forward(g, w, self.inp_embed, self.pos_q, kv_of_layer, {False: self.mask_full, True: self.mask_swa},
-                               drafter.layer_swa, fold, drafter.attention == "bf16" and be.is_cpu, drafter.lm_head)
+        head = L.noise_forward(
+            g,
+            w,
+            self.inp_embed,
+            self.pos_q,
+            kv_of_layer,
+            {False: self.mask_full, True: self.mask_swa},
+            drafter.layer_swa,
+            fold,
+            drafter.attention == "bf16" and be.is_cpu,
+            drafter.lm_head,
+            convs=L.Convolutions(1, custom_op=be.is_cpu) if cfg.is_dflash2 else None,
+        )
         self.out = self.graph.expand(head.logits if head.logits is not None else head.hidden)
         self.galloc = Gallocr(be)
         self.galloc.alloc_graph(self.graph)
@@ -76,8 +87,16 @@ class _WindowGraph:
 class OneShotDrafter:
     """Recompute-everything drafter with the same `step(ring, committed, noise_embed)` as DraftKvCache."""
 
-    def __init__(self, weights: BackendWeights, backend: Backend, cap: int, lm_head: Any = None,
-                 cache_type: str = "f16", swa: str = "seed", attention: str = "f32") -> None:
+    def __init__(
+        self,
+        weights: BackendWeights,
+        backend: Backend,
+        cap: int,
+        lm_head: Any = None,
+        cache_type: str = "f16",
+        swa: str = "seed",
+        attention: str = "f32",
+    ) -> None:
         self.cap = check_drafter_args(weights, backend, cap, cache_type, swa, attention)
         self.cfg = weights.cfg
         self.weights = weights
@@ -112,7 +131,9 @@ class OneShotDrafter:
             committed = check_int("committed", committed, 1)
             emb = np.asarray(noise_embed)
             if emb.shape != (self.q_len, self.cfg.hidden) or emb.dtype.kind != "f":
-                raise ValueError(f"noise_embed must be a float (q_len={self.q_len}, hidden={self.cfg.hidden}) array, got {emb.dtype} {emb.shape}")
+                raise ValueError(
+                    f"noise_embed must be a float (q_len={self.q_len}, hidden={self.cfg.hidden}) array, got {emb.dtype} {emb.shape}"
+                )
             ctx_len = min(committed, self.cap)
             feats = ring.read(committed - ctx_len, ctx_len)
             wg = self._graph_for(ctx_len)
@@ -140,7 +161,7 @@ class OneShotDrafter:
                 self._lm_buf.ctx.close()
             self._lm_buf = None
 
-    def __enter__(self) -> "OneShotDrafter":
+    def __enter__(self) -> OneShotDrafter:
         return self
 
     def __exit__(self, *exc: object) -> None:

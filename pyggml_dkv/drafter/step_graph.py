@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ggml import Backend, Buffer, Context, Gallocr, Graph, Tensor
-from ..model.backend_weights import BackendWeights
+from . import dflash2_graph as D2
 from . import layers as L
+from .backend_weights import BackendWeights
 from .head_screen import HeadScreen
 from .masks import SplitMask, StepMasks
 
@@ -33,11 +34,20 @@ class Geometry:
     lane_counts: tuple[int, ...] = (1,)  # numbers of leading lanes with step graphs of their own, the last `lanes`
 
     @classmethod
-    def of(cls, cap: int, q_len: int, groups: int, lanes: int = 1) -> "Geometry":
+    def of(cls, cap: int, q_len: int, groups: int, lanes: int = 1) -> Geometry:
         kv_total = (cap + q_len + 1 + 31) // 32 * 32
         a_step = 2 * q_len + 2
-        return cls(cap, q_len, a_step, cap + q_len, kv_total, q_len * groups, fold_buckets(q_len, a_step),
-                   lanes, lane_counts(lanes))
+        return cls(
+            cap,
+            q_len,
+            a_step,
+            cap + q_len,
+            kv_total,
+            q_len * groups,
+            fold_buckets(q_len, a_step),
+            lanes,
+            lane_counts(lanes),
+        )
 
     def bucket_for(self, n_rows: int, n_lanes: int = 1) -> int:
         """The smallest fold-in size of an `n_lanes` graph that takes `n_rows` new rows (<= n_lanes * a_step)."""
@@ -86,7 +96,7 @@ class StepGraph(Graph):
     written; its outputs are the step's): hosts of the C-style API compute it with
     Backend.compute directly."""
 
-    def __init__(self, ctx: Context, size: int, on_computed: Callable[["StepGraph"], None]) -> None:
+    def __init__(self, ctx: Context, size: int, on_computed: Callable[[StepGraph], None]) -> None:
         super().__init__(ctx, size)
         self._on_computed = on_computed
 
@@ -112,51 +122,79 @@ class CacheMemory:
     lane), noise rows (q_len a lane), mask planes (ne3: one a lane); `lane_inputs[l]` are lane l's
     views. The fold-in inputs hold the new rows of every lane of a step packed together."""
 
-    def __init__(self, weights: BackendWeights, backend: Backend, geo: Geometry, cache_type: str,
-                 masks: StepMasks, token_input: bool) -> None:
+    def __init__(
+        self,
+        weights: BackendWeights,
+        backend: Backend,
+        geo: Geometry,
+        cache_type: str,
+        masks: StepMasks,
+        token_input: bool,
+        selector: bool = False,
+    ) -> None:
         cfg = weights.cfg
         kv_width = cfg.head_dim * cfg.n_head_kv
         lanes = geo.lanes
-        self.ctx = Context(n_tensors=2 * cfg.n_layer + 14 + 8 * lanes)
+        self.ctx = Context(n_tensors=2 * cfg.n_layer + 15 + 8 * lanes)
         m = self.ctx
-        self.k_cache = [m.new_tensor(cache_type, kv_width, geo.kv_total * lanes, name=f"k_cache.{i}") for i in range(cfg.n_layer)]
-        self.v_cache = [m.new_tensor(cache_type, kv_width, geo.kv_total * lanes, name=f"v_cache.{i}") for i in range(cfg.n_layer)]
+        self.k_cache = [
+            m.new_tensor(cache_type, kv_width, geo.kv_total * lanes, name=f"k_cache.{i}") for i in range(cfg.n_layer)
+        ]
+        self.v_cache = [
+            m.new_tensor(cache_type, kv_width, geo.kv_total * lanes, name=f"v_cache.{i}") for i in range(cfg.n_layer)
+        ]
         # the noise block enters as embeddings the host fills, or as token ids looked up in-graph
+        # (`noise`: whichever of the two it is)
         q_rows = geo.q_len * lanes
-        self.inp_tokens = m.new_tensor("i32", q_rows, name="inp_tokens") if token_input else None
-        self.inp_embed = None if token_input else m.new_tensor("f32", cfg.hidden, q_rows, name="inp_embed")
+        self.noise = (
+            m.new_tensor("i32", q_rows, name="inp_tokens")
+            if token_input
+            else m.new_tensor("f32", cfg.hidden, q_rows, name="inp_embed")
+        )
+        self.inp_tokens = self.noise if token_input else None
+        self.inp_embed = None if token_input else self.noise
         self.pos_q = m.new_tensor("i32", q_rows, name="pos_q")
         self.noise_rows = m.new_tensor("i32", q_rows, name="noise_rows")
         # each mask as attention reads it (a plane per lane); a SplitMask's is written by every step
         # graph from its base (uploaded once) and its context row (uploaded each step): drafter.masks
         planes = (1, lanes) if lanes > 1 else ()
-        self.mask_full = m.new_tensor("f16", geo.kv_total, geo.mask_rows, *planes, name="mask_full") if masks.full else None
-        self.mask_swa = m.new_tensor("f16", geo.kv_total, geo.mask_rows, *planes, name="mask_swa") if masks.sliding else None
+        self.mask_full = (
+            m.new_tensor("f16", geo.kv_total, geo.mask_rows, *planes, name="mask_full") if masks.full else None
+        )
+        self.mask_swa = (
+            m.new_tensor("f16", geo.kv_total, geo.mask_rows, *planes, name="mask_swa") if masks.sliding else None
+        )
         self.mask_parts: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (base, row) of a split mask
         for name, mask in (("mask_full", masks.full), ("mask_swa", masks.sliding)):
             if isinstance(mask, SplitMask):
-                self.mask_parts[name] = (m.new_tensor("f16", geo.kv_total, geo.mask_rows, *planes, name=f"{name}_base"),
-                                         m.new_tensor("f16", geo.kv_total, 1, *planes, name=f"{name}_row"))
+                self.mask_parts[name] = (
+                    m.new_tensor("f16", geo.kv_total, geo.mask_rows, *planes, name=f"{name}_base"),
+                    m.new_tensor("f16", geo.kv_total, 1, *planes, name=f"{name}_row"),
+                )
         self.ap_feat = m.new_tensor("f32", cfg.fc_in, geo.a_step * lanes, name="ap_feat")
         self.ap_pos = m.new_tensor("i32", geo.a_step * lanes, name="ap_pos")
         self.ap_rows = m.new_tensor("i32", geo.a_step * lanes, name="ap_rows")
+        # DFlash-2: the selector's greedy walk writes each block's draft ids here (row 0 unused)
+        self.walk_ids = m.new_tensor("i32", q_rows, name="walk_ids") if selector else None
         for t in self.inputs():
             t.set_input()
         self.lane_inputs = [self._lane_views(lane, geo) for lane in range(lanes)] if lanes > 1 else [self._whole_lane()]
         # on the CPU in our CPU_DKV buffer: attention over these K/V runs our tiled kernel
         self.buf = Buffer.alloc_ctx_tensors_for_kernels(m, backend)
         self.buf.clear(0)
-        self.noise_rows.set(np.concatenate([np.arange(geo.cap, geo.cap + geo.q_len, dtype=np.int32) + lane * geo.kv_total
-                                            for lane in range(lanes)]))
+        self.noise_rows.set(
+            np.concatenate(
+                [np.arange(geo.cap, geo.cap + geo.q_len, dtype=np.int32) + lane * geo.kv_total for lane in range(lanes)]
+            )
+        )
         self.ap_rows.set(np.full(geo.a_step * lanes, geo.trash_slot, dtype=np.int32))
 
     def _mask_names(self) -> list[str]:
         return [n for n in ("mask_full", "mask_swa") if getattr(self, n) is not None]
 
     def _whole_lane(self) -> LaneInputs:
-        noise = self.inp_tokens if self.inp_tokens is not None else self.inp_embed
         masks = {n: self.mask_parts[n][1] if n in self.mask_parts else getattr(self, n) for n in self._mask_names()}
-        return LaneInputs(self.pos_q, noise, masks, {n: base for n, (base, _) in self.mask_parts.items()})  # type: ignore[arg-type]
+        return LaneInputs(self.pos_q, self.noise, masks, {n: base for n, (base, _) in self.mask_parts.items()})
 
     def _lane_views(self, lane: int, geo: Geometry) -> LaneInputs:
         m, q = self.ctx, geo.q_len
@@ -165,11 +203,11 @@ class CacheMemory:
             return m.view(t, t.ne[:2], (t.nb[1],), lane * t.nb[3])
 
         pos_q = m.view(self.pos_q, (q,), (), lane * q * self.pos_q.nb[0])
+        e = self.noise
         if self.inp_tokens is not None:
-            noise = m.view(self.inp_tokens, (q,), (), lane * q * self.inp_tokens.nb[0])
+            noise = m.view(e, (q,), (), lane * q * e.nb[0])
         else:
-            e = self.inp_embed
-            noise = m.view(e, (e.ne[0], q), (e.nb[1],), lane * q * e.nb[1])  # type: ignore[union-attr]
+            noise = m.view(e, (e.ne[0], q), (e.nb[1],), lane * q * e.nb[1])
         masks, bases = {}, {}
         for name in self._mask_names():
             if name in self.mask_parts:
@@ -182,8 +220,21 @@ class CacheMemory:
     def inputs(self) -> list[Tensor]:
         masks = [getattr(self, n) for n in ("mask_full", "mask_swa") if n not in self.mask_parts]
         parts = [t for pair in self.mask_parts.values() for t in pair]
-        return [t for t in (self.inp_embed, self.inp_tokens, self.pos_q, self.noise_rows, self.ap_feat,
-                            self.ap_pos, self.ap_rows, *masks, *parts) if t is not None]
+        return [
+            t
+            for t in (
+                self.inp_embed,
+                self.inp_tokens,
+                self.pos_q,
+                self.noise_rows,
+                self.ap_feat,
+                self.ap_pos,
+                self.ap_rows,
+                *masks,
+                *parts,
+            )
+            if t is not None
+        ]
 
     def attention_mask(self, g: Context, gf: Graph, name: str, n_lanes: int) -> Tensor | None:
         """The mask `name` of the first `n_lanes` lanes for a graph: the leaf itself (or its
@@ -217,6 +268,7 @@ class BuiltStepGraph:
     draft_ids: Tensor | None
     n_lanes: int = 1  # the leading lanes it computes
     fold_rows: int = 0  # the fold-in rows it takes
+    selector: D2.SelectorOutputs | None = None  # DFlash-2: the walk's ids (draft_ids) and its lattice
 
     def close(self) -> None:
         self.galloc.close()
@@ -230,14 +282,26 @@ def first_rows(g: Context, t: Tensor, n: int) -> Tensor:
     return t if n == t.ne[1] else g.view(t, (t.ne[0], n), (t.nb[1],))
 
 
-def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory, geo: Geometry,
-                     layer_swa: list[bool], fold: bool, bf16_products: bool, lm_head: Tensor | None,
-                     embed_table: Tensor | None, on_computed: Callable[[StepGraph], None], n_lanes: int,
-                     fold_rows: int, head_screen: HeadScreen | None = None) -> BuiltStepGraph:
+def build_step_graph(
+    weights: BackendWeights,
+    backend: Backend,
+    mem: CacheMemory,
+    geo: Geometry,
+    layer_swa: list[bool],
+    fold: bool,
+    bf16_products: bool,
+    lm_head: Tensor | None,
+    embed_table: Tensor | None,
+    on_computed: Callable[[StepGraph], None],
+    n_lanes: int,
+    fold_rows: int,
+    head_screen: HeadScreen | None = None,
+) -> BuiltStepGraph:
     """Build and allocate a step graph of the first `n_lanes` lanes folding in the first
     `fold_rows` rows of the fold-in inputs, once; every step recomputes it as it is. With a
     `head_screen` the draft ids come from the screened argmax (drafter.head_screen) and this
-    graph has no logits."""
+    graph has no logits. A DFlash-2 drafter's graph convolves the noise block's sublayers and,
+    with token input and an lm_head, takes its draft ids from the candidate selector's walk."""
     cfg = weights.cfg
     size = L.graph_size_for(cfg)
     g = Context(n_tensors=size, graph_size=size)
@@ -260,18 +324,42 @@ def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory
             return k_all, v_all
 
         if mem.inp_tokens is not None:
+            assert embed_table is not None  # token input: the cache holds the target's embedding table
             h = L.embed_tokens(g, cfg, embed_table, first_rows(g, mem.inp_tokens, q_rows))
         else:
-            h = first_rows(g, mem.inp_embed, q_rows)
-        masks = {False: mem.attention_mask(g, gf, "mask_full", n_lanes), True: mem.attention_mask(g, gf, "mask_swa", n_lanes)}
-        head = L.noise_forward(g, weights, h, pos_q, kv_of_layer, masks, layer_swa, fold, bf16_products,
-                               lm_head if head_screen is None else None, n_lanes, geo.kv_total)
+            h = first_rows(g, mem.noise, q_rows)
+        masks = {
+            False: mem.attention_mask(g, gf, "mask_full", n_lanes),
+            True: mem.attention_mask(g, gf, "mask_swa", n_lanes),
+        }
+        convs = L.Convolutions(n_lanes, custom_op=backend.is_cpu) if cfg.is_dflash2 else None
+        head = L.noise_forward(
+            g,
+            weights,
+            h,
+            pos_q,
+            kv_of_layer,
+            masks,
+            layer_swa,
+            fold,
+            bf16_products,
+            lm_head if head_screen is None else None,
+            n_lanes,
+            geo.kv_total,
+            convs,
+        )
 
         # (c) outputs
         hidden = gf.expand(head.hidden)
         logits = gf.expand(head.logits) if head.logits is not None else None
-        draft_ids = None
-        if logits is not None:
+        draft_ids, selector = None, None
+        if mem.walk_ids is not None and logits is not None:
+            tokens = first_rows(g, mem.noise, q_rows)  # the ids: a selector implies token input
+            selector = D2.selector(
+                g, gf, weights, head.hidden, logits, tokens, n_lanes, first_rows(g, mem.walk_ids, q_rows)
+            )
+            draft_ids = mem.walk_ids  # in the cache's memory: every lane's ids, read after the compute
+        elif logits is not None:
             draft_ids = gf.expand(g.argmax(logits))
         elif head_screen is not None and lm_head is not None:
             scores = g.mul_mat(head_screen.scores_matrix, head.hidden)
@@ -285,4 +373,4 @@ def build_step_graph(weights: BackendWeights, backend: Backend, mem: CacheMemory
     except BaseException:
         g.close()
         raise
-    return BuiltStepGraph(g, gf, galloc, hidden, logits, draft_ids, n_lanes, fold_rows)
+    return BuiltStepGraph(g, gf, galloc, hidden, logits, draft_ids, n_lanes, fold_rows, selector)

@@ -47,10 +47,11 @@ class LaneUploads:
         for upload, image in self._bases:
             if not upload.knows_device:
                 upload.upload(image)
-        if full is not None:
-            self._full.upload(full)  # type: ignore[union-attr]
-        if sliding is not None:
-            self._sliding.upload(sliding)  # type: ignore[union-attr]
+        # (a mask image comes only for a mask the cache has, so with its upload)
+        if full is not None and self._full is not None:
+            self._full.upload(full)
+        if sliding is not None and self._sliding is not None:
+            self._sliding.upload(sliding)
 
     def noise_and_masks(self, slot_pos: np.ndarray, lo: int, committed: int) -> None:
         """Noise positions committed + j, and the masks of the window [lo, committed)."""
@@ -77,7 +78,11 @@ class StepInputs:
         self.n_fold = 0  # fold-in rows packed for the next compute
         self.lanes = [LaneUploads(views, geo, lane_masks) for views, lane_masks in zip(mem.lane_inputs, masks)]
         # the staging arrays above have the inputs' storage dtypes: written without Tensor.set's per-call checks
-        self._feat_in, self._pos_in, self._rows_in = TensorWriter(mem.ap_feat), TensorWriter(mem.ap_pos), TensorWriter(mem.ap_rows)
+        self._feat_in, self._pos_in, self._rows_in = (
+            TensorWriter(mem.ap_feat),
+            TensorWriter(mem.ap_pos),
+            TensorWriter(mem.ap_rows),
+        )
 
     def start_fold(self) -> None:
         """No fold-in rows yet for the next compute: every row pads (position 0, the trash slot),

@@ -24,32 +24,52 @@ first and raises a Python exception instead.
 
 from __future__ import annotations
 
-from ._lowlevel import ffi, lib
 from .backend import Backend
 from .buffer import Buffer
-from .capabilities import (
-    AMX_KERNEL,
-    AMX_TYPES,
-    BF16_ATTENTION_AVX512_KERNEL,
-    BF16_ATTENTION_KERNEL,
-    DKV_BUFFER_TYPE,
-    FA_MASKED_KEYS_FIX,
-    FA_TILED_KERNEL,
-    GRAPH_UID_FIX,
-    RPC_ERRORS_FIX,
-    VNNI_KERNEL,
-    GGML_PREC_BF16,
+from .capabilities import BackendInfo, available_backends, list_devices, version
+from .context import Context
+from .errors import BackendUnavailableError, GGMLError, RemoteBackendError
+from .gallocr import Gallocr
+from .graph import Graph
+from .owned import live_objects
+from .tensor import Tensor
+from .types import TYPES, dequantize, quantize
+
+# The public names: the objects of the example above, their errors, what backends and devices this
+# build and machine offer, and (de)quantization.
+__all__ = [
+    "Backend",
+    "BackendInfo",
+    "BackendUnavailableError",
+    "Buffer",
+    "Context",
+    "GGMLError",
+    "Gallocr",
+    "Graph",
+    "RemoteBackendError",
+    "TYPES",
+    "Tensor",
+    "available_backends",
+    "dequantize",
+    "list_devices",
+    "live_objects",
+    "quantize",
+    "version",
+]
+
+# Not public: the raw cffi objects and the build / CPU probes, importable from here only because
+# modules outside this layer import them from the package today (drafter/, model/, serving/,
+# tests/, benchmarks/). New code imports them from their defining modules: `_lowlevel` (ffi, lib),
+# `capabilities` (the probes), `types`, `tensor`.
+from ._lowlevel import ffi, lib  # noqa: E402,F401
+from .capabilities import (  # noqa: E402,F401
     GGML_REPACK_TYPES,
-    REPACKING_BUFFER_TYPES,
-    BackendInfo,
     amx_available,
     amx_fits,
-    available_backends,
     bf16_attention_kernel,
+    bf16_attention_supported,
     bf16_matmul_kernel,
     bf16_products_on_fma,
-    half_matmul_avx2,
-    bf16_attention_supported,
     built_backends,
     built_capabilities,
     cpu_extra_buffer_types,
@@ -57,31 +77,10 @@ from .capabilities import (
     cpu_repack_fits,
     cpu_repack_kernel,
     cuda_graph_stats,
-    default_n_threads,
-    dkv_buffer_available,
-    f16_matmul_kernel,
-    flash_attn_kernel,
     ggml_repack_fits,
-    list_devices,
-    version,
+    half_matmul_avx2,
     vnni_available,
-    vnni_fits,
     vnni_repack_fits,
 )
-from .context import Context
-from .errors import BackendUnavailableError, GGMLError, RemoteBackendError
-from .gallocr import Gallocr
-from .graph import Graph
-from .owned import live_objects
-from .tensor import Tensor, host_array
-from .types import MAX_DIMS, TYPE_NAMES, TYPES, dequantize, ggml_type, quantize
-
-__all__ = [
-    "AMX_KERNEL", "AMX_TYPES", "BF16_ATTENTION_KERNEL", "FA_MASKED_KEYS_FIX", "FA_TILED_KERNEL", "GRAPH_UID_FIX", "RPC_ERRORS_FIX", "GGML_PREC_BF16", "GGML_REPACK_TYPES", "MAX_DIMS", "REPACKING_BUFFER_TYPES",
-    "TYPES", "TYPE_NAMES", "Backend", "BackendInfo", "BackendUnavailableError", "RemoteBackendError", "Buffer", "Context",
-    "GGMLError", "Gallocr", "Graph", "Tensor", "amx_available", "amx_fits", "available_backends",
-    "bf16_attention_kernel", "bf16_attention_supported", "bf16_matmul_kernel", "bf16_products_on_fma", "dkv_buffer_available", "f16_matmul_kernel", "flash_attn_kernel", "half_matmul_avx2", "built_backends", "cpu_features", "cpu_repack_fits", "cpu_repack_kernel", "ggml_repack_fits", "vnni_available", "vnni_fits", "vnni_repack_fits",
-    "BF16_ATTENTION_AVX512_KERNEL", "DKV_BUFFER_TYPE", "VNNI_KERNEL", "built_capabilities", "cpu_extra_buffer_types",
-    "cuda_graph_stats", "default_n_threads", "dequantize", "ffi", "ggml_type", "host_array", "lib", "list_devices",
-    "live_objects", "quantize", "version",
-]
+from .tensor import host_array  # noqa: E402,F401
+from .types import TYPE_NAMES, ggml_type  # noqa: E402,F401

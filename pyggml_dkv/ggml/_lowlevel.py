@@ -36,7 +36,7 @@ _last_level = logging.INFO
 # ggml's CUDA backend says in debug messages whether it replayed a captured CUDA graph; counted
 # here so hosts and benchmarks can tell (see cuda_graph_stats()).
 _CUDA_GRAPH_EVENTS = {
-    "reused": "CUDA Graph id",          # "CUDA Graph id N reused": the step replayed a captured graph
+    "reused": "CUDA Graph id",  # "CUDA Graph id N reused": the step replayed a captured graph
     "warmup_complete": "CUDA graph warmup complete",
     "warmup_reset": "CUDA graph warmup reset",
     "update_failed": "CUDA graph update failed",
@@ -54,7 +54,7 @@ def _count_cuda_graph_event(msg: str) -> None:
 
 
 @ffi.def_extern()
-def _pyggml_log_callback(level: int, text: "ffi.CData", user_data: "ffi.CData") -> None:
+def _pyggml_log_callback(level: int, text: ffi.CData, user_data: ffi.CData) -> None:
     # ggml's own messages go to the `pyggml_dkv.ggml` logger instead of stderr;
     # CONT lines continue the previous message at its level.
     global _last_level

@@ -58,10 +58,13 @@ class Backend(Owned):
             device = self._parse_index(spec)
             if "cuda" not in built_backends():
                 raise BackendUnavailableError(
-                    f"{spec!r}: this ggml build has no CUDA backend; rebuild with GGML_CUDA=1 ./build_ggml.sh and reinstall")
+                    f"{spec!r}: this ggml build has no CUDA backend; rebuild with GGML_CUDA=1 ./build_ggml.sh and reinstall"
+                )
             n = cuda_device_count()
             if n == 0:
-                raise BackendUnavailableError(f"{spec!r}: ggml was built with CUDA but no CUDA device is visible (no GPU or no driver on this machine)")
+                raise BackendUnavailableError(
+                    f"{spec!r}: ggml was built with CUDA but no CUDA device is visible (no GPU or no driver on this machine)"
+                )
             if device >= n:
                 raise BackendUnavailableError(f"{spec!r}: CUDA device {device} does not exist ({n} visible)")
             handle = lib.ggml_backend_cuda_init(device)
@@ -84,7 +87,9 @@ class Backend(Owned):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0.001 <= timeout_s <= 3600:
             raise ValueError(f"timeout_s must be a number of seconds in [0.001, 3600], got {timeout_s!r}")
         if "rpc" not in built_backends():
-            raise BackendUnavailableError(f"{spec!r}: this ggml build has no RPC backend; rebuild with GGML_RPC=1 ./build_ggml.sh")
+            raise BackendUnavailableError(
+                f"{spec!r}: this ggml build has no RPC backend; rebuild with GGML_RPC=1 ./build_ggml.sh"
+            )
         endpoint = rpc.resolve(host, port, spec)
         rpc.open_endpoints.claim(endpoint, self, spec)  # before any connection: a second one would hang
         try:
@@ -94,8 +99,10 @@ class Backend(Owned):
                     lib.ggml_backend_rpc_set_timeout_ms(max(1, round(timeout_s * 1000)))
                 handle = lib.ggml_backend_rpc_init(str(endpoint).encode(), 0)
             if handle == ffi.NULL:
-                raise BackendUnavailableError(f"RPC server {endpoint} ({spec!r}) answered the handshake, then ggml could not "
-                                              "use it (see the pyggml_dkv.ggml log)")
+                raise BackendUnavailableError(
+                    f"RPC server {endpoint} ({spec!r}) answered the handshake, then ggml could not "
+                    "use it (see the pyggml_dkv.ggml log)"
+                )
         except BaseException:
             rpc.open_endpoints.release(endpoint, self)
             raise
@@ -104,8 +111,11 @@ class Backend(Owned):
         self.rpc_endpoint, self.rpc_server, self.timeout_s = endpoint, info, timeout_s
         self.device_type = info.device_type
         if info.device_type is None:
-            _log.warning("RPC server %s did not say what device it computes on (not a pyggml_dkv server?): "
-                         "treated as a GPU, so CPU-only graph choices stay off", endpoint)
+            _log.warning(
+                "RPC server %s did not say what device it computes on (not a pyggml_dkv server?): "
+                "treated as a GPU, so CPU-only graph choices stay off",
+                endpoint,
+            )
 
     @staticmethod
     def _check_n_threads(n_threads: object) -> None:
@@ -145,8 +155,12 @@ class Backend(Owned):
     def failed(self) -> bool:
         """An RPC backend whose connection failed (server gone, stalled past the timeout, bad
         reply). Nothing computed on it since can be trusted; it never recovers: re-create it."""
-        return (self.kind == "rpc" and not self.closed and hasattr(lib, "ggml_backend_rpc_failed")
-                and bool(lib.ggml_backend_rpc_failed(self._handle)))
+        return (
+            self.kind == "rpc"
+            and not self.closed
+            and hasattr(lib, "ggml_backend_rpc_failed")
+            and bool(lib.ggml_backend_rpc_failed(self._handle))
+        )
 
     def check_connection(self) -> None:
         """Raise RemoteBackendError if this is an RPC backend whose connection failed."""
@@ -154,7 +168,8 @@ class Backend(Owned):
             raise RemoteBackendError(
                 f"the connection to RPC server {self.rpc_endpoint} ({self.spec!r}) failed: the server exited, "
                 f"stalled for over {self.timeout_s:g} s or replied malformed (see the pyggml_dkv.ggml log). "
-                "Results since are lost; re-create the Backend and everything built on it")
+                "Results since are lost; re-create the Backend and everything built on it"
+            )
 
     def close(self) -> None:
         """Free the backend. Idempotent. A graph compute running on it in another thread finishes first."""
@@ -177,11 +192,11 @@ class Backend(Owned):
     def synchronize(self) -> None:
         lib.ggml_backend_synchronize(self.handle)
 
-    def compute(self, graph: "Graph") -> None:
+    def compute(self, graph: Graph) -> None:
         """Run a graph whose tensors are all allocated. The GIL is released meanwhile."""
         graph.compute(self)
 
-    def supports(self, tensor: "Tensor") -> bool:
+    def supports(self, tensor: Tensor) -> bool:
         return bool(lib.ggml_backend_supports_op(self.handle, tensor.ptr))
 
     def __repr__(self) -> str:

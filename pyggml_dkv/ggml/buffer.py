@@ -9,8 +9,16 @@ from typing import Any
 from . import liveness
 from ._lowlevel import ffi, lib
 from .backend import Backend
-from .capabilities import (AMX_TYPES, DKV_BUFFER_TYPE, REPACKING_BUFFER_TYPES, amx_fits, cpu_extra_buffer_types,
-                           cpu_repack_fits, cpu_repack_takes, dkv_buffer_available)
+from .capabilities import (
+    AMX_TYPES,
+    DKV_BUFFER_TYPE,
+    REPACKING_BUFFER_TYPES,
+    amx_fits,
+    cpu_extra_buffer_types,
+    cpu_repack_fits,
+    cpu_repack_takes,
+    dkv_buffer_available,
+)
 from .context import Context
 from .errors import GGMLError, RemoteBackendError
 from .owned import Owned
@@ -40,7 +48,7 @@ class Buffer(Owned):
         lib.ggml_backend_buffer_free(handle)
 
     @classmethod
-    def alloc_ctx_tensors(cls, ctx: Context, backend: Backend) -> "Buffer":
+    def alloc_ctx_tensors(cls, ctx: Context, backend: Backend) -> Buffer:
         """Allocate one buffer on `backend` for every tensor of `ctx` that has no data yet."""
         if not ctx.no_alloc:
             raise GGMLError("alloc_ctx_tensors needs a no_alloc context")
@@ -50,7 +58,7 @@ class Buffer(Owned):
         return cls(handle, backend, ctx)
 
     @classmethod
-    def alloc_ctx_tensors_for_kernels(cls, ctx: Context, backend: Backend) -> "Buffer":
+    def alloc_ctx_tensors_for_kernels(cls, ctx: Context, backend: Backend) -> Buffer:
         """Like alloc_ctx_tensors, in our CPU_DKV buffer on a CPU backend whose ggml has it: host
         memory in ggml's layout where our kernels take the ops that read it (products of its f16 /
         bf16 matrices by a few columns, flash attention over K/V there). Elsewhere the backend's own."""
@@ -59,7 +67,7 @@ class Buffer(Owned):
         return cls.alloc_ctx_tensors(ctx, backend)
 
     @classmethod
-    def alloc_ctx_tensors_from_buft(cls, ctx: Context, buffer_type: Any, backend: Backend) -> "Buffer":
+    def alloc_ctx_tensors_from_buft(cls, ctx: Context, buffer_type: Any, backend: Backend) -> Buffer:
         """Like alloc_ctx_tensors, in a buffer of `buffer_type` (e.g. one of cpu_extra_buffer_types())."""
         if not ctx.no_alloc:
             raise GGMLError("alloc_ctx_tensors_from_buft needs a no_alloc context")
@@ -70,22 +78,26 @@ class Buffer(Owned):
             # anything else would overflow the buffer or never reach its kernels
             for t in ctx.tensors():
                 if not t.is_allocated and not amx_fits(t.type, t.ne):
-                    raise ValueError(f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the AMX buffer: "
-                                     f"it takes 2-D {'/'.join(AMX_TYPES)} matrices whose two sizes are multiples of 32")
+                    raise ValueError(
+                        f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the AMX buffer: "
+                        f"it takes 2-D {'/'.join(AMX_TYPES)} matrices whose two sizes are multiples of 32"
+                    )
         elif name == "CPU_REPACK":
             # only the layouts we test (cpu_repack_fits): a tensor no layout takes would crash ggml
             # on upload, and ggml's other layouts are untested here
             for t in ctx.tensors():
                 if not t.is_allocated and not cpu_repack_fits(t.type, t.ne):
-                    raise ValueError(f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the CPU_REPACK buffer "
-                                     f"on this CPU: it takes {cpu_repack_takes()}")
+                    raise ValueError(
+                        f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the CPU_REPACK buffer "
+                        f"on this CPU: it takes {cpu_repack_takes()}"
+                    )
         elif name in REPACKING_BUFFER_TYPES:
             raise GGMLError(f"the {name} buffer type is not supported by pyggml_dkv (only AMX and CPU_REPACK are)")
         handle = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx.handle, buffer_type)
         return cls(handle, backend, ctx)
 
     @classmethod
-    def alloc(cls, backend: Backend, size: int) -> "Buffer":
+    def alloc(cls, backend: Backend, size: int) -> Buffer:
         if size <= 0:
             raise ValueError(f"buffer size must be > 0, got {size}")
         return cls(lib.ggml_backend_alloc_buffer(backend.handle, size), backend)
@@ -111,8 +123,10 @@ class Buffer(Owned):
         liveness.forget_deltas_in_buffer(liveness.addr(self.handle))
         lib.ggml_backend_buffer_clear(self.handle, value & 0xFF)
         if hasattr(lib, "ggml_backend_rpc_buffer_failed") and lib.ggml_backend_rpc_buffer_failed(self.handle):
-            raise RemoteBackendError(f"buffer {self.name!r}: the connection to its RPC server failed; re-create the "
-                                     "Backend and what lives on it")
+            raise RemoteBackendError(
+                f"buffer {self.name!r}: the connection to its RPC server failed; re-create the "
+                "Backend and what lives on it"
+            )
 
     def set_usage_weights(self) -> None:
         lib.ggml_backend_buffer_set_usage(self.handle, lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)

@@ -57,11 +57,19 @@ def available_backends() -> list[BackendInfo]:
     cpu_desc = ffi.string(lib.ggml_backend_dev_description(cpu_dev)).decode() if cpu_dev != ffi.NULL else "CPU"
     infos = [BackendInfo("cpu", True, cpu_desc)]
     if "cuda" not in built_backends():
-        infos.append(BackendInfo("cuda", False, "CUDA", "this ggml build has no CUDA backend (rebuild: GGML_CUDA=1 ./build_ggml.sh)"))
+        infos.append(
+            BackendInfo(
+                "cuda", False, "CUDA", "this ggml build has no CUDA backend (rebuild: GGML_CUDA=1 ./build_ggml.sh)"
+            )
+        )
     else:
         n = cuda_device_count()
         if n == 0:
-            infos.append(BackendInfo("cuda", False, "CUDA", "built with CUDA, but no CUDA device is visible (no GPU or no driver)"))
+            infos.append(
+                BackendInfo(
+                    "cuda", False, "CUDA", "built with CUDA, but no CUDA device is visible (no GPU or no driver)"
+                )
+            )
         for i in range(n):
             desc = ffi.new("char[256]")
             lib.ggml_backend_cuda_get_device_description(i, desc, 256)
@@ -69,7 +77,9 @@ def available_backends() -> list[BackendInfo]:
     if "rpc" in built_backends():
         infos.append(BackendInfo("rpc", True, "RPC client (Backend('rpc:HOST:PORT'))"))
     else:
-        infos.append(BackendInfo("rpc", False, "RPC", "this ggml build has no RPC backend (rebuild: GGML_RPC=1 ./build_ggml.sh)"))
+        infos.append(
+            BackendInfo("rpc", False, "RPC", "this ggml build has no RPC backend (rebuild: GGML_RPC=1 ./build_ggml.sh)")
+        )
     return infos
 
 
@@ -80,14 +90,16 @@ def list_devices() -> list[dict[str, Any]]:
         dev = lib.ggml_backend_dev_get(i)
         free, total = ffi.new("size_t *"), ffi.new("size_t *")
         lib.ggml_backend_dev_memory(dev, free, total)
-        out.append({
-            "name": ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
-            "description": ffi.string(lib.ggml_backend_dev_description(dev)).decode(),
-            "type": int(lib.ggml_backend_dev_type(dev)),
-            "registry": ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))).decode(),
-            "memory_free": int(free[0]),
-            "memory_total": int(total[0]),
-        })
+        out.append(
+            {
+                "name": ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
+                "description": ffi.string(lib.ggml_backend_dev_description(dev)).decode(),
+                "type": int(lib.ggml_backend_dev_type(dev)),
+                "registry": ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))).decode(),
+                "memory_free": int(free[0]),
+                "memory_total": int(total[0]),
+            }
+        )
     return out
 
 
@@ -176,10 +188,15 @@ def f16_matmul_kernel(ne: tuple[int, ...] = (1024, 1024), n_columns: int = 16) -
         return "ggml"
     if half_matmul_avx2():
         return "avx2_fma" if ne4[0] % 8 == 0 else "ggml"
-    if (F16_MATMUL_KERNEL in built_capabilities() and ne4[0] % 16 == 0
-            and lib.ggml_cpu_has_avx512() and lib.ggml_cpu_has_f16c()):
+    if (
+        F16_MATMUL_KERNEL in built_capabilities()
+        and ne4[0] % 16 == 0
+        and lib.ggml_cpu_has_avx512()
+        and lib.ggml_cpu_has_f16c()
+    ):
         return "avx512_fma"
     return "ggml"
+
 
 # ggml's AMX kernels are only safe with our fix (P4: without it, a GCC 12 build dies with SIGILL
 # at the first tile instruction; oneDNN releasing the tiles did the same)
@@ -195,8 +212,14 @@ def flash_attn_kernel(n_q: int, kv_type: str = "f16", dv: int = 64) -> str:
     """What a flash attention of `n_q` query rows per head over f16 / f32 K/V stored in the CPU_DKV
     buffer runs on here: "tiled" (ours: f32 tiles, 2e-6 of float64) or "ggml" (ggml's own: its tiled
     kernel from 64 rows, its per-row one below)."""
-    if (FA_TILED_KERNEL in built_capabilities() and dkv_buffer_available() and n_q >= 8 and dv % 16 == 0
-            and kv_type in ("f16", "f32") and lib.ggml_cpu_has_avx512()):
+    if (
+        FA_TILED_KERNEL in built_capabilities()
+        and dkv_buffer_available()
+        and n_q >= 8
+        and dv % 16 == 0
+        and kv_type in ("f16", "f32")
+        and lib.ggml_cpu_has_avx512()
+    ):
         return "tiled"
     return "ggml"
 
@@ -271,7 +294,9 @@ def bf16_products_requested() -> str | None:
     if value == "":
         return None
     if value not in BF16_PRODUCTS_CHOICES:
-        raise ValueError(f"{BF16_PRODUCTS_ENV}={value!r}: expected one of {', '.join(BF16_PRODUCTS_CHOICES)} (or unset)")
+        raise ValueError(
+            f"{BF16_PRODUCTS_ENV}={value!r}: expected one of {', '.join(BF16_PRODUCTS_CHOICES)} (or unset)"
+        )
     return value
 
 
@@ -292,8 +317,11 @@ def bf16_products_on_fma() -> bool:
 def half_matmul_avx2() -> bool:
     """True where ggml was built for AVX2 / FMA / F16C without AVX-512 and carries our 8-wide kernel
     (HALF_MATMUL_AVX2_KERNEL): f16 and bf16 weights times up to 64 f32 columns then run it."""
-    return (HALF_MATMUL_AVX2_KERNEL in built_capabilities() and not lib.ggml_cpu_has_avx512()
-            and bool(lib.ggml_cpu_has_avx2() and lib.ggml_cpu_has_fma() and lib.ggml_cpu_has_f16c()))
+    return (
+        HALF_MATMUL_AVX2_KERNEL in built_capabilities()
+        and not lib.ggml_cpu_has_avx512()
+        and bool(lib.ggml_cpu_has_avx2() and lib.ggml_cpu_has_fma() and lib.ggml_cpu_has_f16c())
+    )
 
 
 def bf16_matmul_kernel(ne: tuple[int, ...] = (1024, 1024), n_columns: int = 16) -> str:
@@ -335,8 +363,11 @@ VNNI_KERNEL = "vnni-q8_0"
 
 def vnni_available() -> bool:
     """True when ggml carries the VNNI q8_0 kernel (VNNI_KERNEL) and was compiled for AVX512-VNNI."""
-    return (VNNI_KERNEL in built_capabilities() and bool(lib.ggml_cpu_has_avx512_vnni())
-            and "CPU_REPACK" in cpu_extra_buffer_types())
+    return (
+        VNNI_KERNEL in built_capabilities()
+        and bool(lib.ggml_cpu_has_avx512_vnni())
+        and "CPU_REPACK" in cpu_extra_buffer_types()
+    )
 
 
 # ggml's own kernels in the CPU_REPACK buffer on x86 (src/ggml-cpu/repack.cpp,
@@ -354,8 +385,13 @@ def ggml_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
     placed there without a layout would crash ggml on upload."""
     ne4 = (tuple(ne) + (1, 1, 1, 1))[:4]
     feature = GGML_REPACK_TYPES.get(type_name.lower())
-    return (feature is not None and ne4[1] % 8 == 0 and ne4[2:] == (1, 1)
-            and bool(getattr(lib, f"ggml_cpu_has_{feature}")()) and "CPU_REPACK" in cpu_extra_buffer_types())
+    return (
+        feature is not None
+        and ne4[1] % 8 == 0
+        and ne4[2:] == (1, 1)
+        and bool(getattr(lib, f"ggml_cpu_has_{feature}")())
+        and "CPU_REPACK" in cpu_extra_buffer_types()
+    )
 
 
 # Our other layouts for that VNNI scheme, in the same buffer: q6_K (the head and some matrices of
@@ -367,8 +403,13 @@ Q4_VNNI_KERNEL = "vnni-q4_k"
 Q5_VNNI_KERNEL = "vnni-q5_k"
 Q4_0_VNNI_KERNEL = "vnni-q4_0"
 # type -> (kernel, values per block)
-VNNI_LAYOUTS = {"q8_0": (VNNI_KERNEL, 32), "q4_0": (Q4_0_VNNI_KERNEL, 32), "q6_k": (Q6_VNNI_KERNEL, 256),
-                "q4_k": (Q4_VNNI_KERNEL, 256), "q5_k": (Q5_VNNI_KERNEL, 256)}
+VNNI_LAYOUTS = {
+    "q8_0": (VNNI_KERNEL, 32),
+    "q4_0": (Q4_0_VNNI_KERNEL, 32),
+    "q6_k": (Q6_VNNI_KERNEL, 256),
+    "q4_k": (Q4_VNNI_KERNEL, 256),
+    "q5_k": (Q5_VNNI_KERNEL, 256),
+}
 
 
 def vnni_fits(type_name: str, ne: tuple[int, ...]) -> bool:
@@ -407,10 +448,16 @@ def cpu_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
 
 def cpu_repack_takes() -> str:
     """What the CPU_REPACK buffer takes on this CPU, in words (for error messages)."""
-    kinds = [f"{t} with whole {block}-value blocks and 16-row groups (VNNI)" for t, (kernel, block) in VNNI_LAYOUTS.items()
-             if vnni_available() and kernel in built_capabilities()]
-    kinds += [f"{t} with whole 8-row groups" for t, feature in GGML_REPACK_TYPES.items()
-              if getattr(lib, f"ggml_cpu_has_{feature}")()]
+    kinds = [
+        f"{t} with whole {block}-value blocks and 16-row groups (VNNI)"
+        for t, (kernel, block) in VNNI_LAYOUTS.items()
+        if vnni_available() and kernel in built_capabilities()
+    ]
+    kinds += [
+        f"{t} with whole 8-row groups"
+        for t, feature in GGML_REPACK_TYPES.items()
+        if getattr(lib, f"ggml_cpu_has_{feature}")()
+    ]
     return "2-D matrices of " + (", or ".join(kinds) if kinds else "no type")
 
 

@@ -53,8 +53,12 @@ class Context(OpsMixin, Owned):
             self._arena = arena
             mem_buffer = ffi.from_buffer(arena, require_writable=True)
             if int(ffi.cast("uintptr_t", mem_buffer)) % 16:
-                raise ValueError("the context arena must be 16-byte aligned (numpy arrays and bytearrays of this size usually are)")
-        params = ffi.new("struct ggml_init_params *", {"mem_size": mem_size, "mem_buffer": mem_buffer, "no_alloc": bool(no_alloc)})
+                raise ValueError(
+                    "the context arena must be 16-byte aligned (numpy arrays and bytearrays of this size usually are)"
+                )
+        params = ffi.new(
+            "struct ggml_init_params *", {"mem_size": mem_size, "mem_buffer": mem_buffer, "no_alloc": bool(no_alloc)}
+        )
         handle = lib.ggml_init(params[0])
         if handle == ffi.NULL:
             raise GGMLError(f"ggml_init failed for a {mem_size}-byte context")
@@ -77,20 +81,23 @@ class Context(OpsMixin, Owned):
         """Raise instead of letting ggml abort when the next object does not fit (None: an op result of unknown size)."""
         if data_bytes is None:
             if not self.no_alloc:
-                raise GGMLError("ops that make new data need a no_alloc Context (their results are placed by a Gallocr)")
+                raise GGMLError(
+                    "ops that make new data need a no_alloc Context (their results are placed by a Gallocr)"
+                )
             data_bytes = 0
         need = lib.ggml_tensor_overhead() + (0 if self.no_alloc else ((data_bytes + 15) // 16) * 16)
         if self.used_mem + need > self.mem_size:
             raise GGMLError(
                 f"ggml context out of memory: {self.used_mem} of {self.mem_size} bytes used, next object needs {need}; "
-                "create the Context with more n_tensors / mem_size")
+                "create the Context with more n_tensors / mem_size"
+            )
 
-    def _wrap(self, ptr: Any) -> "Tensor":
+    def _wrap(self, ptr: Any) -> Tensor:
         if ptr == ffi.NULL:
             raise GGMLError("ggml returned no tensor")
         return Tensor(ptr, self)
 
-    def new_tensor(self, type: str | int, *ne: int, name: str | None = None) -> "Tensor":
+    def new_tensor(self, type: str | int, *ne: int, name: str | None = None) -> Tensor:
         """A new tensor with ggml dims `ne` (ne0 fastest), e.g. new_tensor("f32", hidden, tokens)."""
         t = ggml_type(type)
         if not 1 <= len(ne) <= MAX_DIMS:
@@ -101,7 +108,9 @@ class Context(OpsMixin, Owned):
                 raise ValueError(f"tensor dims must be positive ints, got {ne}")
             dims.append(int(d))
         if dims[0] % lib.ggml_blck_size(t):
-            raise ValueError(f"ne0={dims[0]} must be a multiple of the {TYPE_NAMES[t]} block size {lib.ggml_blck_size(t)}")
+            raise ValueError(
+                f"ne0={dims[0]} must be a multiple of the {TYPE_NAMES[t]} block size {lib.ggml_blck_size(t)}"
+            )
         total = int(np.prod(dims, dtype=np.float64))
         if total >= 2**62:
             raise ValueError(f"tensor of {dims} elements is too large")
@@ -113,14 +122,14 @@ class Context(OpsMixin, Owned):
             tensor.name = name
         return tensor
 
-    def tensors(self) -> Iterator["Tensor"]:
+    def tensors(self) -> Iterator[Tensor]:
         """Every tensor in the context, in creation order."""
         ptr = lib.ggml_get_first_tensor(self.handle)
         while ptr != ffi.NULL:
             yield Tensor(ptr, self)
             ptr = lib.ggml_get_next_tensor(self.handle, ptr)
 
-    def get_tensor(self, name: str) -> "Tensor":
+    def get_tensor(self, name: str) -> Tensor:
         ptr = lib.ggml_get_tensor(self.handle, name.encode())
         if ptr == ffi.NULL:
             raise KeyError(f"no tensor named {name!r} in this context")

@@ -44,12 +44,14 @@ class DeltaUpload:
         self.span = (start, start + tensor.nbytes)
         self.buffer_addr = liveness.addr(tensor.ptr.buffer)
         # a whole upload of an array already in the storage dtype skips Tensor.set's per-call checks
-        self._writer = TensorWriter(tensor) if not enabled and writes_type(tensor.type) and not tensor.is_repacked else None
+        self._writer = (
+            TensorWriter(tensor) if not enabled and writes_type(tensor.type) and not tensor.is_repacked else None
+        )
         if enabled:
             liveness.delta_uploads.add(self)
 
     @classmethod
-    def for_tensor(cls, tensor: Tensor) -> "DeltaUpload":
+    def for_tensor(cls, tensor: Tensor) -> DeltaUpload:
         """Enabled for a tensor in an RPC buffer, a plain whole upload elsewhere."""
         return cls(tensor, enabled=_on_rpc(tensor.ptr))
 

@@ -22,13 +22,15 @@ class Gallocr(Owned):
         if handle == ffi.NULL:
             raise GGMLError("ggml_gallocr_new failed")
         self._buffers: set[int] = set()  # ggml buffers this allocator owns (shared with the finalizer)
-        self._graphs: "weakref.WeakSet[Graph]" = weakref.WeakSet()  # graphs placed in them
-        self._own(handle, functools.partial(Gallocr._free_handle, buffers=self._buffers, graphs=self._graphs), "gallocr")
+        self._graphs: weakref.WeakSet[Graph] = weakref.WeakSet()  # graphs placed in them
+        self._own(
+            handle, functools.partial(Gallocr._free_handle, buffers=self._buffers, graphs=self._graphs), "gallocr"
+        )
         self.backend = backend
         self.n_allocs = 0
 
     @staticmethod
-    def _release(buffers: set[int], graphs: Any, keep: "Graph | None" = None) -> None:
+    def _release(buffers: set[int], graphs: Any, keep: Graph | None = None) -> None:
         """ggml freed `buffers`: detach the tensors every graph (but `keep`) had placed in them."""
         for g in list(graphs):
             if g is not keep:
@@ -47,7 +49,7 @@ class Gallocr(Owned):
         self._check_open()
         return self._handle
 
-    def reserve(self, graph: "Graph") -> None:
+    def reserve(self, graph: Graph) -> None:
         """Size the buffer for `graph` (and graphs no larger) without assigning addresses."""
         graph._check_nonempty()
         before = self.buffer_size
@@ -57,7 +59,7 @@ class Gallocr(Owned):
         if not ok:
             raise GGMLError("ggml_gallocr_reserve failed (out of memory?)")
 
-    def alloc_graph(self, graph: "Graph") -> None:
+    def alloc_graph(self, graph: Graph) -> None:
         """Assign every intermediate tensor of `graph` an address in this allocator's buffer."""
         graph._check_nonempty()
         graph.check_repacked_reads(self.backend)

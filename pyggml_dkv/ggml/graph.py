@@ -29,7 +29,9 @@ class Graph:
             raise ValueError(f"graph size must be a positive int, got {size!r}")
         need = lib.ggml_graph_overhead_custom(size, False)
         if ctx.used_mem + need > ctx.mem_size:
-            raise GGMLError(f"context too small for a graph of size {size}: needs {need} more bytes; create it with graph_size={size}")
+            raise GGMLError(
+                f"context too small for a graph of size {size}: needs {need} more bytes; create it with graph_size={size}"
+            )
         self.ctx = ctx
         self._ctxs = {ctx}  # every context holding a tensor of the graph: all must stay open
         self.size = size
@@ -38,14 +40,16 @@ class Graph:
             raise GGMLError("ggml_new_graph_custom failed")
         self._seen: set[int] = set()
         self._deps: frozenset[tuple[int, int | None]] | None = None  # (buffer, token) pairs the allocated graph uses
-        self._allocator: "Gallocr | None" = None  # the allocator that placed the intermediates (kept alive)
+        self._allocator: Gallocr | None = None  # the allocator that placed the intermediates (kept alive)
         # the graph's uid promises backends that it is unchanged since they last computed it (RPC
         # then resends only a recompute command): renewed at the next compute after any change
         self._uid_stale = True
 
-    def _count_new(self, root: Tensor) -> int:
-        """Tensors (nodes + leafs) that expanding `root` would add, so we can refuse overflow."""
-        new, stack = set(), [root.ptr]
+    def _count_new(self, root: Tensor) -> tuple[int, set[int]]:
+        """(how many, the addresses of) tensors (nodes + leafs) that expanding `root` would add, so
+        we can refuse overflow."""
+        new: set[int] = set()
+        stack = [root.ptr]
         while stack:
             p = stack.pop()
             addr = int(ffi.cast("uintptr_t", p))
@@ -56,7 +60,7 @@ class Graph:
                 s = p.src[i]
                 if s != ffi.NULL:
                     stack.append(s)
-        return len(new), new  # type: ignore[return-value]
+        return len(new), new
 
     def expand(self, tensor: Tensor) -> Tensor:
         """ggml_build_forward_expand: add `tensor` and everything it depends on.
@@ -68,9 +72,11 @@ class Graph:
         ctxs = {tensor.ctx, *tensor.ctx._src_ctxs}
         if any(c.closed for c in ctxs):
             raise GGMLError("tensor used after its Context (or one its ops read from) was closed")
-        n_new, new = self._count_new(tensor)  # type: ignore[misc]
+        n_new, new = self._count_new(tensor)
         if len(self._seen) + n_new > self.size:
-            raise GGMLError(f"graph of size {self.size} is full ({len(self._seen)} tensors + {n_new} new); build it with a larger size")
+            raise GGMLError(
+                f"graph of size {self.size} is full ({len(self._seen)} tensors + {n_new} new); build it with a larger size"
+            )
         lib.ggml_set_output(tensor.ptr)
         lib.ggml_build_forward_expand(self.handle, tensor.ptr)
         self._seen |= new
@@ -94,12 +100,19 @@ class Graph:
                 if src == ffi.NULL or not liveness.reads_repacked(src):
                     continue
                 name = ffi.string(src.name).decode()
-                ok = (node.op == "MUL_MAT" and i == 0 and src.view_src == ffi.NULL and backend.is_cpu
-                      and backend.supports(node))
+                ok = (
+                    node.op == "MUL_MAT"
+                    and i == 0
+                    and src.view_src == ffi.NULL
+                    and backend.is_cpu
+                    and backend.supports(node)
+                )
                 if not ok:
-                    raise GGMLError(f"{node.op} node {node.name!r} reads {name!r}, which is stored repacked (AMX or CPU_REPACK buffer): "
-                                    "only a matrix product (mul_mat) of the whole tensor by contiguous f32 rows on the "
-                                    "CPU backend can use it; upload that tensor with repack=False")
+                    raise GGMLError(
+                        f"{node.op} node {node.name!r} reads {name!r}, which is stored repacked (AMX or CPU_REPACK buffer): "
+                        "only a matrix product (mul_mat) of the whole tensor by contiguous f32 rows on the "
+                        "CPU backend can use it; upload that tensor with repack=False"
+                    )
 
     def _changed(self) -> None:
         """The nodes or where their tensors live changed (expand, allocation, freed buffers): the
@@ -150,7 +163,7 @@ class Graph:
     def _uses(self, addrs: set[int]) -> bool:
         return any(a in addrs for a, _ in self._placements())
 
-    def _detach(self, addrs: "set[int] | None") -> None:
+    def _detach(self, addrs: set[int] | None) -> None:
         """Drop the data of this graph's tensors placed in the freed buffers `addrs` (None: any dead buffer)."""
         self._deps = None
         self._changed()
@@ -164,9 +177,11 @@ class Graph:
         for p in self._tensor_ptrs():
             if p.data == ffi.NULL or p.buffer == ffi.NULL:
                 name = ffi.string(lib.ggml_get_name(p)).decode()
-                raise GGMLError(f"graph tensor {name!r} has no data: allocate the graph with a Gallocr "
-                                "and its inputs/weights in a Buffer before computing (closing or reallocating "
-                                "those drops the data)")
+                raise GGMLError(
+                    f"graph tensor {name!r} has no data: allocate the graph with a Gallocr "
+                    "and its inputs/weights in a Buffer before computing (closing or reallocating "
+                    "those drops the data)"
+                )
             deps.add((liveness.addr(p.buffer), liveness.live_buffers.get(liveness.addr(p.buffer))))
         return frozenset(deps)
 

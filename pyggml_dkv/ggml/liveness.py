@@ -34,13 +34,16 @@ def reads_repacked(p: Any) -> bool:
     """Does tensor `p` (or the tensor it views) live in a repacking buffer?"""
     base = p.view_src if p.view_src != ffi.NULL else p
     return bool(repacked_buffers) and any(
-        t.buffer != ffi.NULL and addr(t.buffer) in repacked_buffers for t in (p, base))
+        t.buffer != ffi.NULL and addr(t.buffer) in repacked_buffers for t in (p, base)
+    )
 
 
-def detach(ptrs: Iterator[Any], addrs: "set[int] | None") -> None:
+def detach(ptrs: Iterator[Any], addrs: set[int] | None) -> None:
     """Forget the data of tensors placed in the freed buffers `addrs` (None: in any non-live buffer)."""
     for p in ptrs:
-        if p.buffer != ffi.NULL and (addr(p.buffer) in addrs if addrs is not None else addr(p.buffer) not in live_buffers):
+        if p.buffer != ffi.NULL and (
+            addr(p.buffer) in addrs if addrs is not None else addr(p.buffer) not in live_buffers
+        ):
             p.buffer = ffi.NULL
             p.data = ffi.NULL
 
@@ -48,7 +51,7 @@ def detach(ptrs: Iterator[Any], addrs: "set[int] | None") -> None:
 # DeltaUploads (ggml.delta) remember what their tensor holds on the device. A write through the
 # binding that overlaps their bytes, or a clear of their buffer, makes them forget it (the next
 # upload is whole). Each has .span = (start, end) data addresses and .buffer_addr.
-delta_uploads: "weakref.WeakSet[Any]" = weakref.WeakSet()
+delta_uploads: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def forget_deltas_overlapping(start: int, end: int) -> None:

@@ -26,7 +26,7 @@ BINARY_TYPES = {(F32, F32), (F16, F16), (BF16, BF16), (F16, F32), (BF16, F32)}
 ROPE_MODES = (0, lib.GGML_ROPE_TYPE_NEOX)  # ggml_rope_ext: normal or NEOX (M-RoPE/vision need ggml_rope_multi)
 
 
-def ne_of(t: "Tensor") -> tuple[int, int, int, int]:
+def ne_of(t: Tensor) -> tuple[int, int, int, int]:
     return t.ne
 
 
@@ -40,28 +40,28 @@ def finite(op: str, name: str, value: float) -> float:
     return float(value)
 
 
-def can_repeat(b: "Tensor", a: "Tensor") -> bool:
+def can_repeat(b: Tensor, a: Tensor) -> bool:
     """ggml_can_repeat(b, a): b broadcasts to a."""
     return all(x % y == 0 for x, y in zip(ne_of(a), ne_of(b)))
 
 
-def is_transposed(t: "Tensor") -> bool:
+def is_transposed(t: Tensor) -> bool:
     nb = t.nb
     return nb[0] > nb[1]
 
 
-def rows_contiguous(t: "Tensor") -> bool:
+def rows_contiguous(t: Tensor) -> bool:
     """ggml_is_contiguous_rows: the elements of a row are packed (ne0 is not strided)."""
     return t.ne[0] == lib.ggml_blck_size(t.type_id) or t.nb[0] == lib.ggml_type_size(t.type_id)
 
 
-def check_type(op: str, t: "Tensor", allowed: tuple[int, ...], what: str = "input") -> None:
+def check_type(op: str, t: Tensor, allowed: tuple[int, ...], what: str = "input") -> None:
     if t.type_id not in allowed:
         names = "/".join(ffi.string(lib.ggml_type_name(x)).decode() for x in allowed)
         fail(op, f"{what} must be {names}, got {t.type}")
 
 
-def check_convert(op: str, src: "Tensor", dst_type: int, dst_contiguous: bool, dst_nb0: int) -> None:
+def check_convert(op: str, src: Tensor, dst_type: int, dst_contiguous: bool, dst_nb0: int) -> None:
     """The type conversions ggml's CPU copy kernel implements (anything else aborts at compute)."""
     st = src.type_id
     if st == dst_type or (st in FLOAT and dst_type in FLOAT) or (st, dst_type) in ((F32, I32), (I32, F32)):
@@ -80,12 +80,16 @@ def check_convert(op: str, src: "Tensor", dst_type: int, dst_contiguous: bool, d
 class OpBuilder:
     """What the op mixins need of the Context they are mixed into."""
 
-    def _reserve(self, data_bytes: int | None = 0) -> None: ...  # pragma: no cover
-    def _wrap(self, ptr: Any) -> "Tensor": ...  # pragma: no cover
     handle: Any
     _src_ctxs: set[Any]
 
-    def _same_ctx(self, op: str, *tensors: "Tensor | None") -> None:
+    def _reserve(self, data_bytes: int | None = 0) -> None:  # pragma: no cover
+        raise NotImplementedError  # Context's
+
+    def _wrap(self, ptr: Any) -> Tensor:  # pragma: no cover
+        raise NotImplementedError  # Context's
+
+    def _same_ctx(self, op: str, *tensors: Tensor | None) -> None:
         for t in tensors:
             if t is not None:
                 t._live_ptr()

@@ -6,16 +6,42 @@ from typing import TYPE_CHECKING
 
 from ._lowlevel import ffi, lib
 from .capabilities import BF16_ATTENTION_KERNEL, GGML_PREC_BF16, bf16_attention_supported
-from .op_checks import WEIGHT_QUANT, check_type, F16, F32, fail, finite, FLOAT, I32, I64, OpBuilder, QUANT, ROPE_MODES, rows_contiguous
+from .op_checks import (
+    F16,
+    F32,
+    FLOAT,
+    I32,
+    I64,
+    QUANT,
+    ROPE_MODES,
+    WEIGHT_QUANT,
+    OpBuilder,
+    check_type,
+    fail,
+    finite,
+    rows_contiguous,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tensor import Tensor
 
 
 class AttentionOps(OpBuilder):
-    def rope_ext(self, a: "Tensor", pos: "Tensor", n_dims: int, mode: int, n_ctx_orig: int, freq_base: float,
-                 freq_scale: float = 1.0, ext_factor: float = 0.0, attn_factor: float = 1.0,
-                 beta_fast: float = 32.0, beta_slow: float = 1.0, freq_factors: "Tensor | None" = None) -> "Tensor":
+    def rope_ext(
+        self,
+        a: Tensor,
+        pos: Tensor,
+        n_dims: int,
+        mode: int,
+        n_ctx_orig: int,
+        freq_base: float,
+        freq_scale: float = 1.0,
+        ext_factor: float = 0.0,
+        attn_factor: float = 1.0,
+        beta_fast: float = 32.0,
+        beta_slow: float = 1.0,
+        freq_factors: Tensor | None = None,
+    ) -> Tensor:
         """ggml_rope_ext on a [head_dim, n_head, tokens] tensor with i32 positions [tokens] (YaRN args included)."""
         self._same_ctx("rope_ext", a, pos, freq_factors)
         if pos.type_id != I32:
@@ -31,19 +57,45 @@ class AttentionOps(OpBuilder):
             fail("rope_ext", f"n_dims must be even and in (0, ne0={a.ne[0]}], got {n_dims}")
         if freq_factors is not None and (freq_factors.type_id != F32 or freq_factors.ne[0] < n_dims // 2):
             fail("rope_ext", "freq_factors must be f32 with at least n_dims/2 entries")
-        args = [finite("rope_ext", n, v) for n, v in (("freq_base", freq_base), ("freq_scale", freq_scale),
-                                                        ("ext_factor", ext_factor), ("attn_factor", attn_factor),
-                                                        ("beta_fast", beta_fast), ("beta_slow", beta_slow))]
+        args = [
+            finite("rope_ext", n, v)
+            for n, v in (
+                ("freq_base", freq_base),
+                ("freq_scale", freq_scale),
+                ("ext_factor", ext_factor),
+                ("attn_factor", attn_factor),
+                ("beta_fast", beta_fast),
+                ("beta_slow", beta_slow),
+            )
+        ]
         self._reserve(None)
-        out = self._wrap(lib.ggml_rope_ext(self.handle, a.ptr, pos.ptr,
-                                           freq_factors.ptr if freq_factors is not None else ffi.NULL,
-                                           n_dims, mode, int(n_ctx_orig), *args))
+        out = self._wrap(
+            lib.ggml_rope_ext(
+                self.handle,
+                a.ptr,
+                pos.ptr,
+                freq_factors.ptr if freq_factors is not None else ffi.NULL,
+                n_dims,
+                mode,
+                int(n_ctx_orig),
+                *args,
+            )
+        )
         out._ndim = a.ndim
         return out
 
-    def flash_attn_ext(self, q: "Tensor", k: "Tensor", v: "Tensor", mask: "Tensor | None", scale: float,
-                       max_bias: float = 0.0, logit_softcap: float = 0.0, prec_f32: bool = False,
-                       prec_bf16: bool = False) -> "Tensor":
+    def flash_attn_ext(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        scale: float,
+        max_bias: float = 0.0,
+        logit_softcap: float = 0.0,
+        prec_f32: bool = False,
+        prec_bf16: bool = False,
+    ) -> Tensor:
         """q [D, n_q, H, 1], k/v [D, n_kv, H_kv, 1], mask f16 [n_kv, >= n_q] -> [D, H, n_q, 1].
 
         prec_bf16: the CPU kernel may run both products with bf16 inputs on AMX tiles (f32 sums;
@@ -53,10 +105,12 @@ class AttentionOps(OpBuilder):
         self._same_ctx("flash_attn_ext", q, k, v, mask)
         if prec_f32 and prec_bf16:
             fail("flash_attn_ext", "prec_f32 and prec_bf16 exclude each other")
-        if prec_bf16:
-            if not bf16_attention_supported():
-                fail("flash_attn_ext", f"prec_bf16 needs a ggml build with our bf16 attention kernel "
-                                       f"({BF16_ATTENTION_KERNEL!r}; built_capabilities() lists this build's)")
+        if prec_bf16 and not bf16_attention_supported():
+            fail(
+                "flash_attn_ext",
+                f"prec_bf16 needs a ggml build with our bf16 attention kernel "
+                f"({BF16_ATTENTION_KERNEL!r}; built_capabilities() lists this build's)",
+            )
         # the CPU kernel reads q as f32 and needs a dot product for k's type / a conversion for v's
         # (an i32 k would call a NULL vec_dot: a segfault, not an abort)
         check_type("flash_attn_ext", q, (F32,), "q")
@@ -84,11 +138,18 @@ class AttentionOps(OpBuilder):
         elif max_bias > 0:
             fail("flash_attn_ext", "max_bias needs a mask")
         self._reserve(None)
-        out = self._wrap(lib.ggml_flash_attn_ext(self.handle, q.ptr, k.ptr, v.ptr,
-                                                 mask.ptr if mask is not None else ffi.NULL,
-                                                 finite("flash_attn_ext", "scale", scale),
-                                                 finite("flash_attn_ext", "max_bias", max_bias),
-                                                 finite("flash_attn_ext", "logit_softcap", logit_softcap)))
+        out = self._wrap(
+            lib.ggml_flash_attn_ext(
+                self.handle,
+                q.ptr,
+                k.ptr,
+                v.ptr,
+                mask.ptr if mask is not None else ffi.NULL,
+                finite("flash_attn_ext", "scale", scale),
+                finite("flash_attn_ext", "max_bias", max_bias),
+                finite("flash_attn_ext", "logit_softcap", logit_softcap),
+            )
+        )
         if prec_f32:
             lib.ggml_prec_set_acc(out.ptr, lib.GGML_PREC_F32)
         elif prec_bf16:
@@ -97,7 +158,7 @@ class AttentionOps(OpBuilder):
         return out
 
     # -- rows ------------------------------------------------------------------------------
-    def set_rows(self, a: "Tensor", b: "Tensor", rows: "Tensor") -> "Tensor":
+    def set_rows(self, a: Tensor, b: Tensor, rows: Tensor) -> Tensor:
         """Write the rows of f32 `b` [ne0, n] into destination `a` at indices `rows` [n] (i32/i64)."""
         self._same_ctx("set_rows", a, b, rows)
         ea, eb, ec = a.ne, b.ne, rows.ne
@@ -118,7 +179,7 @@ class AttentionOps(OpBuilder):
         out._ndim = a.ndim
         return out
 
-    def get_rows(self, a: "Tensor", rows: "Tensor") -> "Tensor":
+    def get_rows(self, a: Tensor, rows: Tensor) -> Tensor:
         """Gather rows of `a` [ne0, n_rows] at i32 indices [n] -> f32 [ne0, n]."""
         self._same_ctx("get_rows", a, rows)
         if rows.type_id != I32:

@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ._lowlevel import ffi, lib
-from .op_checks import check_convert, fail, OpBuilder
+from .op_checks import F32, OpBuilder, check_convert, check_type, fail
 from .types import ggml_type
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class LayoutOps(OpBuilder):
-    def view(self, a: "Tensor", ne: tuple[int, ...], nb: tuple[int, ...] = (), offset: int = 0) -> "Tensor":
+    def view(self, a: Tensor, ne: tuple[int, ...], nb: tuple[int, ...] = (), offset: int = 0) -> Tensor:
         """ggml_view_Nd: `ne` in ggml order, `nb` the strides of dims 1.. in bytes (default: a's)."""
         self._same_ctx("view", a)
         n = len(ne)
@@ -35,7 +35,10 @@ class LayoutOps(OpBuilder):
         base = a.ptr.view_src if a.ptr.view_src != ffi.NULL else a.ptr
         base_offset = offset + (int(a.ptr.view_offs) if a.ptr.view_src != ffi.NULL else 0)
         if base_offset + row * math.prod(int(d) for d in ne[1:]) > lib.ggml_nbytes(base):
-            fail("view", f"ne={tuple(ne)} holds more bytes than {a.name!r} has from offset {offset} (overlapping strides?)")
+            fail(
+                "view",
+                f"ne={tuple(ne)} holds more bytes than {a.name!r} has from offset {offset} (overlapping strides?)",
+            )
         self._reserve()
         if n == 1:
             ptr = lib.ggml_view_1d(self.handle, a.ptr, ne[0], offset)
@@ -49,7 +52,7 @@ class LayoutOps(OpBuilder):
         out._ndim = n
         return out
 
-    def reshape(self, a: "Tensor", *ne: int) -> "Tensor":
+    def reshape(self, a: Tensor, *ne: int) -> Tensor:
         self._same_ctx("reshape", a)
         if not 2 <= len(ne) <= 4:
             fail("reshape", f"2..4 dims supported, got {ne}")
@@ -65,7 +68,7 @@ class LayoutOps(OpBuilder):
         out._ndim = len(ne)
         return out
 
-    def permute(self, a: "Tensor", axis0: int, axis1: int, axis2: int, axis3: int) -> "Tensor":
+    def permute(self, a: Tensor, axis0: int, axis1: int, axis2: int, axis3: int) -> Tensor:
         self._same_ctx("permute", a)
         if sorted((axis0, axis1, axis2, axis3)) != [0, 1, 2, 3]:
             fail("permute", f"axes must be a permutation of 0..3, got {(axis0, axis1, axis2, axis3)}")
@@ -77,14 +80,14 @@ class LayoutOps(OpBuilder):
         out._ndim = max((axis0, axis1, axis2, axis3)[i] + 1 for i in range(a.ndim))
         return out
 
-    def cont(self, a: "Tensor") -> "Tensor":
+    def cont(self, a: Tensor) -> Tensor:
         self._same_ctx("cont", a)
         self._reserve(None)
         out = self._wrap(lib.ggml_cont(self.handle, a.ptr))
         out._ndim = a.ndim
         return out
 
-    def concat(self, a: "Tensor", b: "Tensor", dim: int) -> "Tensor":
+    def concat(self, a: Tensor, b: Tensor, dim: int) -> Tensor:
         self._same_ctx("concat", a, b)
         if not 0 <= dim < 4:
             fail("concat", f"dim must be 0..3, got {dim}")
@@ -98,7 +101,38 @@ class LayoutOps(OpBuilder):
         out._ndim = max(a.ndim, b.ndim, dim + 1)
         return out
 
-    def cpy(self, a: "Tensor", b: "Tensor") -> "Tensor":
+    def repeat(self, a: Tensor, *ne: int) -> Tensor:
+        """ggml_repeat_4d: a tiled to shape `ne` (each of a's dims must divide the new one)."""
+        self._same_ctx("repeat", a)
+        if not 1 <= len(ne) <= 4 or any(not isinstance(d, int) or d <= 0 for d in ne):
+            fail("repeat", f"ne must be 1..4 positive ints, got {ne}")
+        full = (*ne, *(1,) * (4 - len(ne)))
+        if any(d % s for d, s in zip(full, a.ne)):
+            fail("repeat", f"{a.name!r} {a.ne} does not tile {full}")
+        check_type("repeat", a, (F32,))
+        if a.nb[0] != lib.ggml_type_size(a.type_id):
+            fail("repeat", f"{a.name!r} must have packed rows (not transposed)")
+        self._reserve(None)
+        out = self._wrap(lib.ggml_repeat_4d(self.handle, a.ptr, *full))
+        out._ndim = max(len(ne), a.ndim)
+        return out
+
+    def pad(self, a: Tensor, before: tuple[int, ...], after: tuple[int, ...] = ()) -> Tensor:
+        """ggml_pad_ext: zeros added before / after each dim (ggml order, missing dims 0)."""
+        self._same_ctx("pad", a)
+        lp = (*before, *(0,) * (4 - len(before)))
+        rp = (*after, *(0,) * (4 - len(after)))
+        if len(lp) != 4 or len(rp) != 4 or any(not isinstance(p, int) or p < 0 for p in (*lp, *rp)):
+            fail("pad", f"padding must be up to 4 ints >= 0 per side, got {before} / {after}")
+        check_type("pad", a, (F32,))
+        if a.nb[0] != lib.ggml_type_size(a.type_id):
+            fail("pad", f"{a.name!r} must have packed rows (not transposed)")
+        self._reserve(None)
+        out = self._wrap(lib.ggml_pad_ext(self.handle, a.ptr, lp[0], rp[0], lp[1], rp[1], lp[2], rp[2], lp[3], rp[3]))
+        out._ndim = max(a.ndim, *(d + 1 for d in range(4) if lp[d] or rp[d]))
+        return out
+
+    def cpy(self, a: Tensor, b: Tensor) -> Tensor:
         self._same_ctx("cpy", a, b)
         if a.nelements != b.nelements:
             fail("cpy", f"element counts differ: {a.nelements} vs {b.nelements}")
@@ -106,7 +140,7 @@ class LayoutOps(OpBuilder):
         self._reserve()
         return self._wrap(lib.ggml_cpy(self.handle, a.ptr, b.ptr))
 
-    def cast(self, a: "Tensor", type: str) -> "Tensor":
+    def cast(self, a: Tensor, type: str) -> Tensor:
         self._same_ctx("cast", a)
         t = ggml_type(type)
         if a.ne[0] % lib.ggml_blck_size(t):

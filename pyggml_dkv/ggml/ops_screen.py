@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ._lowlevel import ffi, lib
 from .liveness import reads_repacked
-from .op_checks import BF16, check_type, F16, F32, fail, OpBuilder
+from .op_checks import BF16, F16, F32, OpBuilder, check_type, fail
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tensor import Tensor
@@ -16,14 +16,14 @@ if TYPE_CHECKING:  # pragma: no cover
 SCREEN_BLOCK = 32  # the screen product quantizes x per 32 values (q8_0's block)
 
 
-def _contiguous_matrix(op: str, name: str, t: "Tensor") -> None:
+def _contiguous_matrix(op: str, name: str, t: Tensor) -> None:
     if t.ne[2] != 1 or t.ne[3] != 1:
         fail(op, f"{name} must be a matrix, got ne={t.ne}")
     if not t.is_contiguous:
         fail(op, f"{name} {t.name!r} must be contiguous (packed rows, one after the other)")
 
 
-def _in_host_memory(op: str, name: str, t: "Tensor") -> None:
+def _in_host_memory(op: str, name: str, t: Tensor) -> None:
     """The op reads `t` directly: allocated, in CPU-addressable memory, not repacked."""
     p = t.ptr
     if not t.is_allocated:
@@ -35,7 +35,7 @@ def _in_host_memory(op: str, name: str, t: "Tensor") -> None:
 
 
 class ScreenOps(OpBuilder):
-    def screened_argmax(self, scores: "Tensor", x: "Tensor", exact: "Tensor", bounds: "Tensor") -> "Tensor":
+    def screened_argmax(self, scores: Tensor, x: Tensor, exact: Tensor, bounds: Tensor) -> Tensor:
         """ids [Q] i32: for each column x_q of x [H, Q], argmax_t of exact_t . x_q over the V rows
         of `exact` [H, V] (f32 / f16 / bf16, in host memory), the lowest t on a tie; -1 for a column
         that is not finite, -2 if the op could not allocate its scratch memory.
@@ -69,8 +69,20 @@ class ScreenOps(OpBuilder):
         _in_host_memory(op, "bounds", bounds)
         self._reserve(None)
         args = ffi.new("struct ggml_tensor *[4]", [scores.ptr, x.ptr, exact.ptr, bounds.ptr])
-        out = self._wrap(lib.ggml_custom_4d(self.handle, lib.GGML_TYPE_I32, q, 1, 1, 1, args, 4,
-                                            ffi.addressof(lib, "pyggml_dkv_screened_argmax"), lib.GGML_N_TASKS_MAX,
-                                            ffi.NULL))
+        out = self._wrap(
+            lib.ggml_custom_4d(
+                self.handle,
+                lib.GGML_TYPE_I32,
+                q,
+                1,
+                1,
+                1,
+                args,
+                4,
+                ffi.addressof(lib, "pyggml_dkv_screened_argmax"),
+                lib.GGML_N_TASKS_MAX,
+                ffi.NULL,
+            )
+        )
         out._ndim = 1
         return out

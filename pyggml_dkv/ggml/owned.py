@@ -44,7 +44,7 @@ class Owned:
         if self.closed:
             raise GGMLError(f"{type(self).__name__} is closed")
 
-    def __enter__(self):  # type: ignore[no-untyped-def]
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -74,7 +74,9 @@ def parse_spec(spec: str) -> tuple[str, int]:
     if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise ValueError(f"RPC port must be a number in 1..65535, got {port!r} in {spec!r}")
     if host.startswith("[") or ":" in host:
-        raise ValueError(f"RPC host {host!r} in {spec!r}: ggml's RPC transport speaks IPv4 only (use a name or a dotted address)")
+        raise ValueError(
+            f"RPC host {host!r} in {spec!r}: ggml's RPC transport speaks IPv4 only (use a name or a dotted address)"
+        )
     if not host.isascii() or any(c.isspace() for c in host):
         raise ValueError(f"bad RPC host {host!r} in {spec!r}")
     return host, int(port)
@@ -116,20 +118,28 @@ def probe(endpoint: Endpoint, timeout_s: float, spec: str) -> ServerInfo:
     try:
         sock = socket.create_connection((endpoint.address, endpoint.port), timeout=timeout_s)
     except OSError as exc:
-        raise BackendUnavailableError(f"{where}: cannot connect ({exc}); is `python -m pyggml_dkv.serving.rpc_server` running there?") from exc
+        raise BackendUnavailableError(
+            f"{where}: cannot connect ({exc}); is `python -m pyggml_dkv.serving.rpc_server` running there?"
+        ) from exc
     with sock:
         try:
             hello = _command(sock, RPC_CMD_HELLO, bytes(CONN_CAPS_SIZE), HELLO_RESPONSE_SIZE)
         except (OSError, ConnectionError) as exc:
-            busy = " (a ggml RPC server serves one client at a time: is another process or Backend using it?)" \
-                if isinstance(exc, socket.timeout) else ""
-            raise BackendUnavailableError(f"{where}: no protocol handshake within {timeout_s:g} s per message: {exc}{busy}") from exc
+            busy = (
+                " (a ggml RPC server serves one client at a time: is another process or Backend using it?)"
+                if isinstance(exc, socket.timeout)
+                else ""
+            )
+            raise BackendUnavailableError(
+                f"{where}: no protocol handshake within {timeout_s:g} s per message: {exc}{busy}"
+            ) from exc
         server = (hello[0], hello[1], hello[2])
         if server[0] != client[0] or server[1] > client[1]:
             raise BackendUnavailableError(
                 f"{where}: RPC protocol version {'.'.join(map(str, server))} does not fit this client's "
                 f"{'.'.join(map(str, client))} (majors must match, the server's minor may not be newer); "
-                "run the server and the client from the same pyggml_dkv version")
+                "run the server and the client from the same pyggml_dkv version"
+            )
         device_type: str | None = None
         if RPC_CMD_DEVICE_TYPE is not None:
             try:
@@ -150,7 +160,7 @@ class _OpenEndpoints:
         self._lock = threading.Lock()
         self._open: dict[tuple[str, int], weakref.ref[Backend]] = {}
 
-    def claim(self, endpoint: Endpoint, backend: "Backend", spec: str) -> None:
+    def claim(self, endpoint: Endpoint, backend: Backend, spec: str) -> None:
         key = (endpoint.address, endpoint.port)
         with self._lock:
             ref = self._open.get(key)
@@ -158,10 +168,11 @@ class _OpenEndpoints:
             if other is not None and not other.closed:
                 raise BackendUnavailableError(
                     f"{spec!r}: this process already has an open Backend({other.spec!r}) on RPC server {endpoint}; "
-                    "use that one (ggml's RPC client keeps one connection per server) or close it first")
+                    "use that one (ggml's RPC client keeps one connection per server) or close it first"
+                )
             self._open[key] = weakref.ref(backend)
 
-    def release(self, endpoint: Endpoint, backend: "Backend") -> None:
+    def release(self, endpoint: Endpoint, backend: Backend) -> None:
         key = (endpoint.address, endpoint.port)
         with self._lock:
             ref = self._open.get(key)

@@ -43,16 +43,18 @@ def screen_bounds(exact: np.ndarray, rows_per_chunk: int = 4096) -> Screen:
         raise ValueError(f"screen_bounds needs rows of a multiple of 32 values (q8_0 blocks), got shape {m.shape}")
     raws, norms = [], np.empty((v + 1, 2), dtype=np.float64)
     for lo in range(0, v, rows_per_chunk):  # in chunks: a 150k x 4k head would need 5 GB of float64 at once
-        part = np.ascontiguousarray(m[lo:lo + rows_per_chunk], dtype=np.float32)
+        part = np.ascontiguousarray(m[lo : lo + rows_per_chunk], dtype=np.float32)
         if not np.isfinite(part).all():
             raise ValueError(f"the matrix to screen has NaN or inf values (rows {lo}..{lo + part.shape[0] - 1})")
         if np.abs(part).max() > Q8_0_MAX:  # the block scale (amax / 127, stored as f16) would overflow
-            raise ValueError(f"the matrix to screen has values beyond q8_0's range (|value| > {Q8_0_MAX:.4g}) in rows "
-                             f"{lo}..{lo + part.shape[0] - 1}: it cannot be screened")
+            raise ValueError(
+                f"the matrix to screen has values beyond q8_0's range (|value| > {Q8_0_MAX:.4g}) in rows "
+                f"{lo}..{lo + part.shape[0] - 1}: it cannot be screened"
+            )
         raw = quantize(SCREEN_TYPE, part)
         deq = dequantize(SCREEN_TYPE, raw, part.size).reshape(part.shape).astype(np.float64)
-        norms[lo:lo + part.shape[0], 0] = np.linalg.norm(part.astype(np.float64) - deq, axis=1)
-        norms[lo:lo + part.shape[0], 1] = np.linalg.norm(deq, axis=1)
+        norms[lo : lo + part.shape[0], 0] = np.linalg.norm(part.astype(np.float64) - deq, axis=1)
+        norms[lo : lo + part.shape[0], 1] = np.linalg.norm(deq, axis=1)
         raws.append(raw)
     norms[v] = norms[:v].max(axis=0)
     # float64 norms of <= 2^31 terms are within ~1e-12 relative: widen by that, then round up

@@ -23,8 +23,10 @@ def check_rpc_transfer(ptr: Any, name: str) -> None:
     """After a transfer: raise if the tensor lives on an RPC connection that failed (the server
     went away, stalled past the timeout or replied malformed): the data moved is not valid."""
     if _HAS_RPC and lib.ggml_backend_rpc_buffer_failed(ptr.buffer):
-        raise RemoteBackendError(f"tensor {name!r}: the connection to its RPC server failed, so the transfer did not "
-                                 "happen (see the pyggml_dkv.ggml log); re-create the Backend and what lives on it")
+        raise RemoteBackendError(
+            f"tensor {name!r}: the connection to its RPC server failed, so the transfer did not "
+            "happen (see the pyggml_dkv.ggml log); re-create the Backend and what lives on it"
+        )
 
 
 def _on_rpc(ptr: Any) -> bool:
@@ -39,7 +41,7 @@ def host_array(shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
     n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
     raw = np.empty(n + 64, dtype=np.uint8)
     start = -raw.ctypes.data % 64
-    return raw[start:start + n].view(dt).reshape(shape)
+    return raw[start : start + n].view(dt).reshape(shape)
 
 
 class Tensor:
@@ -141,11 +143,11 @@ class Tensor:
         """Address of the tensor's data in its buffer (device address for GPU buffers)."""
         return int(ffi.cast("uintptr_t", self._live_ptr().data))
 
-    def set_input(self) -> "Tensor":
+    def set_input(self) -> Tensor:
         lib.ggml_set_input(self._live_ptr())
         return self
 
-    def set_output(self) -> "Tensor":
+    def set_output(self) -> Tensor:
         lib.ggml_set_output(self._live_ptr())
         return self
 
@@ -165,8 +167,10 @@ class Tensor:
         p = self.ptr
         base = p.view_src if p.view_src != ffi.NULL else None
         if not self.is_allocated or (base is not None and (base.data == ffi.NULL or base.buffer == ffi.NULL)):
-            raise GGMLError(f"tensor {self.name!r} has no data: allocate its context's tensors in a Buffer (or the graph "
-                            "with a Gallocr) first; data is dropped when that Buffer / Gallocr is closed or reallocated")
+            raise GGMLError(
+                f"tensor {self.name!r} has no data: allocate its context's tensors in a Buffer (or the graph "
+                "with a Gallocr) first; data is dropped when that Buffer / Gallocr is closed or reallocated"
+            )
         if liveness.addr(p.buffer) not in liveness.live_buffers:
             raise GGMLError(f"tensor {self.name!r} lives in a buffer that was closed")
         if not self.is_contiguous:
@@ -179,8 +183,10 @@ class Tensor:
 
     def _check_partial_io(self, what: str) -> None:
         if self.is_repacked:
-            raise GGMLError(f"cannot {what} tensor {self.name!r}: it is stored repacked for a CPU kernel "
-                            "(AMX or CPU_REPACK buffer), so it can only be written whole with set(), never read back")
+            raise GGMLError(
+                f"cannot {what} tensor {self.name!r}: it is stored repacked for a CPU kernel "
+                "(AMX or CPU_REPACK buffer), so it can only be written whole with set(), never read back"
+            )
 
     def _to_bytes(self, array: Any) -> Any:
         """Convert `array` to this tensor's storage bytes, checking dtype and shape."""
@@ -232,7 +238,9 @@ class Tensor:
         if not (offset == 0 and data.nbytes == self.nbytes):  # a repacking buffer takes whole tensors only
             self._check_partial_io("write raw bytes into")
         if offset < 0 or offset + data.nbytes > self.nbytes:
-            raise ValueError(f"write of {data.nbytes} bytes at offset {offset} exceeds tensor {self.name!r} ({self.nbytes} bytes)")
+            raise ValueError(
+                f"write of {data.nbytes} bytes at offset {offset} exceeds tensor {self.name!r} ({self.nbytes} bytes)"
+            )
         self._forget_deltas(offset, data.nbytes)
         lib.ggml_backend_tensor_set(self.ptr, ffi.from_buffer(data), offset, data.nbytes)
         check_rpc_transfer(self.ptr, self.name)
@@ -283,15 +291,19 @@ class Tensor:
             raise GGMLError(f"tensor {self.name!r} is a view: place the tensor it views instead")
         self._check_partial_io("place")
         if not self.in_host_memory:
-            raise GGMLError(f"tensor {self.name!r} is in a {self.buffer_name} buffer, not host memory: its data cannot move into a numpy array")
+            raise GGMLError(
+                f"tensor {self.name!r} is in a {self.buffer_name} buffer, not host memory: its data cannot move into a numpy array"
+            )
         want = self.numpy_dtype
         if want is None:
             raise TypeError(f"tensor {self.name!r} is {self.type}: no numpy dtype holds its storage")
         if not isinstance(array, np.ndarray):
             raise TypeError(f"expected a numpy array, got {type(array).__name__}")
         if array.dtype != want or array.shape != self.shape:
-            raise ValueError(f"tensor {self.name!r} needs a {np.dtype(want).name} array of shape {self.shape}, "
-                             f"got {array.dtype.name} {array.shape}")
+            raise ValueError(
+                f"tensor {self.name!r} needs a {np.dtype(want).name} array of shape {self.shape}, "
+                f"got {array.dtype.name} {array.shape}"
+            )
         if not array.flags.c_contiguous or not array.flags.writeable:
             raise ValueError("the array must be C-contiguous and writable")
         if array.ctypes.data % 64:

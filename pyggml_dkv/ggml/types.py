@@ -30,7 +30,7 @@ TYPES: dict[str, int] = {
 QUANT_TYPES = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 TYPE_NAMES = {v: k for k, v in TYPES.items()}
 FLOAT_TYPES = {"f32", "f16", "bf16", "f64", *QUANT_TYPES}
-INT_DTYPES = {"i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64}
+INT_DTYPES: dict[str, type[np.signedinteger]] = {"i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64}
 
 
 def ggml_type(name: str | int) -> int:
@@ -55,7 +55,9 @@ def quantize(type_name: str, x: np.ndarray) -> np.ndarray:
         raise ValueError(f"{type_name} rows must be a multiple of {lib.ggml_blck_size(t)} values, got {n_per_row}")
     nrows = x.size // n_per_row
     out = np.empty(int(lib.ggml_row_size(t, n_per_row)) * nrows, dtype=np.uint8)
-    written = lib.ggml_quantize_chunk(t, ffi.from_buffer("float[]", x), ffi.from_buffer(out), 0, nrows, n_per_row, ffi.NULL)
+    written = lib.ggml_quantize_chunk(
+        t, ffi.from_buffer("float[]", x), ffi.from_buffer(out), 0, nrows, n_per_row, ffi.NULL
+    )
     if written != out.nbytes:  # pragma: no cover
         raise GGMLError(f"ggml_quantize_chunk wrote {written} bytes, expected {out.nbytes}")
     return out

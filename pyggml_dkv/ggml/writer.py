@@ -21,8 +21,15 @@ from .errors import GGMLError
 from .tensor import Tensor, _on_rpc, check_rpc_transfer
 
 # ggml types whose storage is a numpy dtype (no conversion between the array and the tensor)
-_STORAGE_DTYPES = {"f32": np.float32, "f16": np.float16, "f64": np.float64,
-                   "i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64}
+_STORAGE_DTYPES = {
+    "f32": np.float32,
+    "f16": np.float16,
+    "f64": np.float64,
+    "i8": np.int8,
+    "i16": np.int16,
+    "i32": np.int32,
+    "i64": np.int64,
+}
 
 
 def writes_type(ty: str) -> bool:
@@ -39,8 +46,10 @@ class TensorWriter:
         tensor._check_partial_io("write rows into")  # a repacking buffer takes whole, converted tensors
         ty = tensor.type
         if ty not in _STORAGE_DTYPES:
-            raise TypeError(f"tensor {tensor.name!r} is {ty}: a TensorWriter writes only "
-                            f"{', '.join(_STORAGE_DTYPES)} tensors (use Tensor.set, which converts)")
+            raise TypeError(
+                f"tensor {tensor.name!r} is {ty}: a TensorWriter writes only "
+                f"{', '.join(_STORAGE_DTYPES)} tensors (use Tensor.set, which converts)"
+            )
         p = tensor.ptr
         self.tensor = tensor
         self.name = tensor.name
@@ -88,14 +97,23 @@ class TensorWriter:
     def write_rows(self, array: np.ndarray) -> None:
         """The tensor's first len(array) rows (numpy's leading axis); the rest keep their bytes."""
         self._check_live()
-        ok = (isinstance(array, np.ndarray) and array.ndim == len(self.shape) and array.shape[1:] == self.shape[1:]
-              and array.shape[0] <= self.shape[0])
+        ok = (
+            isinstance(array, np.ndarray)
+            and array.ndim == len(self.shape)
+            and array.shape[1:] == self.shape[1:]
+            and array.shape[0] <= self.shape[0]
+        )
         self._copy(self._check_array(array, ok))
 
     def write_rows_at(self, first: int, array: np.ndarray) -> None:
         """The tensor's rows [first, first + len(array)) (numpy's leading axis); the rest keep their bytes."""
         self._check_live()
-        ok = (isinstance(array, np.ndarray) and array.ndim == len(self.shape) and array.shape[1:] == self.shape[1:]
-              and 0 <= first and first + array.shape[0] <= self.shape[0])
+        ok = (
+            isinstance(array, np.ndarray)
+            and array.ndim == len(self.shape)
+            and array.shape[1:] == self.shape[1:]
+            and first >= 0
+            and first + array.shape[0] <= self.shape[0]
+        )
         row_bytes = self.nbytes // self.shape[0]
         self._copy(self._check_array(array, ok), first * row_bytes)

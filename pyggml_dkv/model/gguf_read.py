@@ -2,9 +2,15 @@
 
 The file is memory-mapped (gguf.GGUFReader). Every metadata key it holds is either mapped to
 our config, accepted as information we do not need (general.*, the vocabulary), or refused by
-name when it describes something our drafter does not run (DFlash-2 convolutions and selector,
-DSpark heads, value scales, partial rotary, M-RoPE, causal attention, ...). Every tensor is
-mapped by name (gguf_names.py) or refused by name.
+name when it describes something our drafter does not run (DSpark heads, value scales, partial
+rotary, M-RoPE, causal attention, ...). Every tensor is mapped by name (gguf_names.py) or
+refused by name.
+
+DFlash-2 files (docs/dflash2.md) are read under llama.cpp's own rules
+(`llama_model_dflash::load_arch_tensors`): the four `dflash.conv_*` / `dflash.selector_*` keys
+all positive, H % conv_group_size == 0, H >= top_k * (top_k + 1), every convolution and selector
+tensor present with its shape, base kernels in F32. A file with the keys but not the tensors (or
+the tensors but not the keys) is refused too: llama.cpp would run half of DFlash-2.
 
 Matrices keep the file's storage as StoredMatrix (quantized blocks stay quantized on the
 backend, see BackendWeights dtype "native"); the host copy is their float32 dequantization by
@@ -13,8 +19,7 @@ backend, see BackendWeights dtype "native"); the host copy is their float32 dequ
 Target layer ids: GGUF stores the layers whose input is tapped (id + 1), we store id.
 """
 
-from __future__ import annotations
-
+import builtins
 import logging
 import math
 from pathlib import Path
@@ -24,8 +29,20 @@ import numpy as np
 
 from ..common.checks import is_int, is_real
 from .config import ConfigError, DraftConfig
-from .gguf_names import ARCH, DEFAULT_BLOCK_SIZE, TARGET_LAYER_OFFSET, GGUFError, key, our_name, refusal_reason
+from .gguf_names import (
+    ARCH,
+    DEFAULT_BLOCK_SIZE,
+    DFLASH2_KEYS,
+    TARGET_LAYER_OFFSET,
+    GGUFError,
+    gguf_name,
+    is_dflash2_gguf_tensor,
+    key,
+    our_name,
+    refusal_reason,
+)
 from .stored import STORED_TYPES, StoredMatrix
+from .tensor_names import dflash2_shapes, is_conv_base_kernel
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +56,6 @@ _INFORMATIONAL = {
 }
 # keys whose presence means a drafter we cannot run: why
 _REFUSED_KEYS = {
-    key("conv_kernel_size"): "DFlash-2 convolutions",
-    key("conv_group_size"): "DFlash-2 convolutions",
-    key("selector_rank"): "the DFlash-2 candidate selector",
-    key("selector_top_k"): "the DFlash-2 candidate selector",
     key("sample_from_anchor"): "DSpark anchor sampling",
     key("has_confidence_head"): "the DSpark confidence head",
     key("rope.scaling.yarn_log_multiplier"): "YaRN log-multiplier magnitude scaling",
@@ -94,7 +107,7 @@ class _Keys:
             raise GGUFError(f"key {name!r} must be a finite number, got {value!r}")
         return float(value)
 
-    def uniform_int(self, name: str, n_layer: int, default: Any = _MISSING) -> Any:
+    def uniform_int(self, name: str, n_layer: builtins.int, default: Any = _MISSING) -> Any:  # (int: the method above)
         """An int, or a per-layer array that must hold one value (we run uniform layers)."""
         value = self.get(name, default)
         if isinstance(value, list):
@@ -123,8 +136,10 @@ def config_from_gguf(keys: _Keys) -> DraftConfig:
     if keys.int(key("attention.value_length"), head_dim) != head_dim:
         raise GGUFError(f"{key('attention.value_length')} differs from the key length {head_dim}")
     if keys.int(key("rope.dimension_count"), head_dim) != head_dim:
-        raise GGUFError(f"{key('rope.dimension_count')} = {keys.kv[key('rope.dimension_count')]} < head_dim "
-                        f"{head_dim}: partial rotary embeddings are not supported")
+        raise GGUFError(
+            f"{key('rope.dimension_count')} = {keys.kv[key('rope.dimension_count')]} < head_dim "
+            f"{head_dim}: partial rotary embeddings are not supported"
+        )
     sections = keys.get(key("rope.dimension_sections"), [0, 0, 0, 0])
     if any(sections):
         raise GGUFError(f"{key('rope.dimension_sections')} = {sections}: M-RoPE drafters are not supported")
@@ -143,19 +158,24 @@ def config_from_gguf(keys: _Keys) -> DraftConfig:
     rope = _rope_from_gguf(keys, n_ctx_train)
 
     ids = keys.get(key("target_layers"))
-    if not isinstance(ids, list) or not ids or any(not is_int(i) or i < TARGET_LAYER_OFFSET
-                                                   for i in ids):
+    if not isinstance(ids, list) or not ids or any(not is_int(i) or i < TARGET_LAYER_OFFSET for i in ids):
         raise GGUFError(f"{key('target_layers')} must be a non-empty list of layer inputs >= 1, got {ids!r}")
 
     swa_window = keys.int(key("attention.sliding_window"), 0)
     pattern = keys.get(key("attention.sliding_window_pattern"), None)
     if swa_window > 0:
         if not isinstance(pattern, list) or len(pattern) != n_layer:
-            raise GGUFError(f"{key('attention.sliding_window')} needs a {n_layer}-entry sliding_window_pattern, got {pattern!r}")
+            raise GGUFError(
+                f"{key('attention.sliding_window')} needs a {n_layer}-entry sliding_window_pattern, got {pattern!r}"
+            )
         layer_types = ["sliding" if p else "full" for p in pattern]
         if "sliding" in layer_types:
-            log.warning("%s: sliding layers; llama.cpp runs them non-causal over the noise block with a per-row "
-                        "window, we run them like the dflash reference (causal noise; window per `swa` mode)", ARCH)
+            log.warning(
+                "%s: sliding layers; llama.cpp runs them non-causal over the noise block with a per-row "
+                "window: build the drafter with swa='llama' to draft exactly as llama.cpp does (the "
+                "default, 'seed', windows like the C++ seed; 'per_row' like the dflash reference)",
+                ARCH,
+            )
     else:
         if pattern is not None and any(pattern):
             raise GGUFError(f"{key('attention.sliding_window_pattern')} marks sliding layers without a sliding window")
@@ -172,23 +192,132 @@ def config_from_gguf(keys: _Keys) -> DraftConfig:
         raise GGUFError("missing key 'tokenizer.ggml.mask_token_id' (the drafter's mask token)")
     softcap = keys.float(key("final_logit_softcapping"), 0.0)
     emb_scale = keys.float(key("embedding_scale"), 0.0)
+    dflash2 = _dflash2_from_gguf(keys, hidden, vocab_size)
     try:
         return DraftConfig(
-            hidden=hidden, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+            hidden=hidden,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim=head_dim,
             ffn=keys.uniform_int(key("feed_forward_length"), n_layer),
             block_size=keys.int(key("block_size"), DEFAULT_BLOCK_SIZE),
             n_target_layers=len(ids),
             rms_eps=keys.float(key("attention.layer_norm_rms_epsilon")),
-            layer_types=layer_types, swa_window=swa_window,
-            mask_token_id=mask, vocab=vocab_size,
+            layer_types=layer_types,
+            swa_window=swa_window,
+            mask_token_id=mask,
+            vocab=vocab_size,
             input_embedding_scale=emb_scale if emb_scale != 0.0 else 1.0,
             output_multiplier=keys.float(key("logit_scale"), 1.0),
             final_logit_softcapping=softcap if softcap > 0 else None,
             target_layer_ids=[i - TARGET_LAYER_OFFSET for i in ids],
             **rope,
+            **dflash2,
         )
     except ConfigError as e:
         raise GGUFError(f"the file's hyper-parameters do not make a drafter: {e}") from e
+
+
+def _dflash2_from_gguf(keys: _Keys, hidden: int, vocab: int | None) -> dict[str, int]:
+    """The DFlash-2 fields of DraftConfig from the file's keys, checked as llama.cpp checks them
+    (plus what it would only trip over later: top_k beyond the vocabulary). No key, or all four
+    0, is DFlash-1 (llama.cpp: no selector, no convolutions)."""
+    present = [name for name in DFLASH2_KEYS if keys.has(key(name))]
+    if not present:
+        return {}
+    values = {name: keys.int(key(name), 0) for name in DFLASH2_KEYS}
+    if all(v == 0 for v in values.values()):
+        return {}
+    for name in DFLASH2_KEYS:
+        if name not in present:
+            raise GGUFError(
+                f"missing key {key(name)!r}: a DFlash-2 file needs all of "
+                f"{[key(n) for n in DFLASH2_KEYS]} (has {[key(n) for n in present]})"
+            )
+        if values[name] <= 0:
+            raise GGUFError(
+                f"key {key(name)!r} = {values[name]} must be > 0 in a DFlash-2 file "
+                f"(llama.cpp: 'DFlash2 model is missing conv/selector metadata')"
+            )
+    group, top_k = values["conv_group_size"], values["selector_top_k"]
+    if hidden % group:
+        raise GGUFError(
+            f"key {key('conv_group_size')!r} = {group} does not divide "
+            f"{key('embedding_length')} = {hidden} (llama.cpp refuses the file)"
+        )
+    if hidden < top_k * (top_k + 1):
+        raise GGUFError(
+            f"key {key('selector_top_k')!r} = {top_k}: the selector's lattice would not fit in n_embd "
+            f"(llama.cpp packs k + k*k = {top_k * (top_k + 1)} values per position into one "
+            f"{hidden}-wide hidden row, and refuses the file)"
+        )
+    if vocab is None:
+        raise GGUFError(
+            f"a DFlash-2 file needs its vocabulary size ({key('vocab_size')} or tokenizer.ggml.tokens): "
+            "the selector's codebooks have one row per token"
+        )
+    if top_k > vocab:
+        raise GGUFError(f"key {key('selector_top_k')!r} = {top_k} exceeds the vocabulary of {vocab} tokens")
+    return values
+
+
+# where the selector's tensors hold the rank, in numpy (out, in) order: (R, H), (V, R), (V, R)
+_RANK_AXIS = {"selector_hidden.weight": 0, "selector_predecessor.weight": 1, "selector_successor.weight": 1}
+
+
+def _ne(shape: tuple[int, ...]) -> str:
+    """A numpy (out, in) shape in ggml's `ne` order, as llama.cpp prints it: {in, out}."""
+    return "{" + ", ".join(str(n) for n in reversed(shape)) + "}"
+
+
+def check_dflash2_tensors(cfg: DraftConfig, shapes: dict[str, tuple[int, ...]], types: dict[str, str]) -> None:
+    """The file's DFlash-2 tensors against its keys. `shapes`: GGUF name -> numpy shape (the
+    reverse of `ne`), `types`: GGUF name -> ggml type name, for every tensor of the file.
+
+    llama.cpp decides DFlash-2 by the tensor selector_hidden.weight and its draft loop by the key
+    selector_top_k; a file with only one of the two would load and then run half a drafter, so
+    both directions are refused here, naming the tensor or key."""
+    found = sorted(n for n in shapes if is_dflash2_gguf_tensor(n))
+    if not cfg.is_dflash2:
+        if found:
+            raise GGUFError(
+                f"tensor {found[0]!r} is a DFlash-2 tensor ({len(found)} in the file) but the file has "
+                f"none of the keys {[key(n) for n in DFLASH2_KEYS]} (llama.cpp refuses it: "
+                "'DFlash2 model is missing conv/selector metadata')"
+            )
+        return
+    want = {gguf_name(ours): shape for ours, shape in dflash2_shapes(cfg).items()}
+    missing = [n for n in want if n not in shapes]
+    if missing and not found:
+        raise GGUFError(
+            f"the file has the DFlash-2 keys ({key('selector_top_k')} = {cfg.selector_top_k}, ...) but "
+            f"no DFlash-2 tensor: missing {missing[:4]}{' ...' if len(missing) > 4 else ''}"
+        )
+    if missing:
+        raise GGUFError(
+            f"missing DFlash-2 tensor {missing[0]!r}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}"
+        )
+    rank_key = key("selector_rank")
+    for name, shape in want.items():
+        got = shapes[name]
+        if got == shape:
+            continue
+        if name in _RANK_AXIS and len(got) == 2:
+            rank = got[_RANK_AXIS[name]]
+            if rank != cfg.selector_rank:
+                raise GGUFError(
+                    f"tensor {name!r} has ne {_ne(got)}, expected {_ne(shape)}: its rank {rank} differs from "
+                    f"{rank_key} = {cfg.selector_rank} (the selector's tensors must share one rank)"
+                )
+        raise GGUFError(f"tensor {name!r} has ne {_ne(got)}, expected {_ne(shape)} for this file's keys")
+    for ours in dflash2_shapes(cfg):
+        name = gguf_name(ours)
+        if is_conv_base_kernel(ours) and types[name] != "f32":
+            raise GGUFError(
+                f"tensor {name!r} is {types[name].upper()}: llama.cpp adds the base kernel to f32 taps "
+                "with ggml_add, which needs it in F32 (its converter always writes F32)"
+            )
 
 
 def _rope_from_gguf(keys: _Keys, n_ctx_train: int) -> dict[str, Any]:
@@ -220,12 +349,18 @@ def _rope_from_gguf(keys: _Keys, n_ctx_train: int) -> dict[str, Any]:
         # runs ext 1, betas 32 / 1, magnitude 1 + 0.1 ln(factor) (HF's default attention_factor):
         # accepted when they say the same, refused when the file means something llama.cpp does not run
         hf_magnitude = 1.0 + 0.1 * math.log(f) if f > 1.0 else 1.0
-        for name, runs in (("yarn_ext_factor", 1.0), ("yarn_beta_fast", 32.0), ("yarn_beta_slow", 1.0),
-                           ("yarn_attn_factor", hf_magnitude)):
+        for name, runs in (
+            ("yarn_ext_factor", 1.0),
+            ("yarn_beta_fast", 32.0),
+            ("yarn_beta_slow", 1.0),
+            ("yarn_attn_factor", hf_magnitude),
+        ):
             value = keys.float(key(f"rope.scaling.{name}"), runs)
             if not math.isclose(value, runs, rel_tol=1e-6):
-                raise GGUFError(f"{key(f'rope.scaling.{name}')} = {value}: llama.cpp's dflash loader ignores it and "
-                                f"runs {runs}; this file means a different rope")
+                raise GGUFError(
+                    f"{key(f'rope.scaling.{name}')} = {value}: llama.cpp's dflash loader ignores it and "
+                    f"runs {runs}; this file means a different rope"
+                )
         magnitude = 1.0 if f > 1.0 else 1.0 / (1.0 + 0.1 * math.log(f))
         out.update(ext_factor=1.0, beta_fast=32.0, beta_slow=1.0, n_ctx_orig=orig, attn_factor=attn * magnitude)
     return out
@@ -241,7 +376,11 @@ def host_array(tensor: Any) -> np.ndarray:
 
 def _stored(tensor: Any, type_name: str, shape: tuple[int, ...]) -> StoredMatrix:
     raw = np.asarray(tensor.data)
-    raw = raw.reshape(-1).view(np.uint8) if raw.flags.c_contiguous else np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    raw = (
+        raw.reshape(-1).view(np.uint8)
+        if raw.flags.c_contiguous
+        else np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    )
     return StoredMatrix(type_name, (int(shape[0]), int(shape[1])), raw)
 
 
@@ -275,6 +414,11 @@ def read_gguf(path: str | Path) -> GGUFDrafter:
             continue
         raise GGUFError(f"{path.name}: key {name!r} is not something this drafter maps or can ignore")
 
+    check_dflash2_tensors(
+        cfg,
+        {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors},
+        {t.name: t.tensor_type.name.lower() for t in reader.tensors},
+    )
     tensors: dict[str, np.ndarray] = {}
     stored: dict[str, StoredMatrix] = {}
     has_v = set()
@@ -296,6 +440,7 @@ def read_gguf(path: str | Path) -> GGUFDrafter:
         raise GGUFError(f"{path.name}: layer(s) {missing_v} have no attn_v: shared K/V is not supported")
     embed = tensors.pop("embed_tokens", None)
     head = tensors.pop("lm_head", None)
-    log.info("read %s: %d tensors, types %s", path.name, len(reader.tensors),
-             sorted({m.type_name for m in stored.values()}))
+    log.info(
+        "read %s: %d tensors, types %s", path.name, len(reader.tensors), sorted({m.type_name for m in stored.values()})
+    )
     return GGUFDrafter(cfg, tensors, stored, embed, head)

@@ -7,10 +7,21 @@ the target's own GGUF, `vocab_from`) with `tokenizer.ggml.mask_token_id`, and th
 in gguf_names.py. `token_embd` / `output` are written when the weights carry them; without
 them llama.cpp borrows the target's at run time.
 
-Matrices are stored in `dtype` (quantized by ggml's own quantizer), norm vectors in f32.
+Matrices are stored in `dtype` (quantized by ggml's own quantizer), norm vectors in f32. The
+module imports without the compiled ggml, and writes f32 / f16 / bf16 files without it; the
+quantized types import ggml's quantizer when they are written (the `gguf` package has none for
+the k-quants).
 `dtype="q4_k_m"` writes llama.cpp's Q4_K_M mix instead, the form DFlash drafters are published in:
 q4_K, with q6_K for the output head and for the V projection and the MLP's down projection of the
 layers llama.cpp gives more bits (src/llama-quant.cpp, `use_more_bits`).
+
+DFlash-2 (docs/dflash2.md) adds the four `dflash.conv_*` / `dflash.selector_*` keys and its
+tensors, typed as llama.cpp's converter types them: the base kernels (no `.weight` suffix)
+always F32, the kernel projections and the selector's hidden projection like every matrix. The
+codebooks are `.weight` tensors that the converter writes in its output type (F32 / F16 / BF16 /
+Q8_0); for our finer quantized types they are written as q8_0, the converter's one quantized
+type (a codebook row is only R values, rarely a whole k-quant block), and as f16 where R is not
+a multiple of q8_0's 32 (the converter's own fallback when a tensor does not quantize).
 """
 
 from __future__ import annotations
@@ -18,15 +29,16 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..common.bf16 import to_bf16_bits
-from ..ggml.types import quantize
 from .config import DraftConfig
-from .gguf_names import ARCH, TARGET_LAYER_OFFSET, GGUFError, gguf_name, key
+from .gguf_names import ARCH, DFLASH2_KEYS, TARGET_LAYER_OFFSET, GGUFError, gguf_name, key
+from .tensor_names import is_selector_codebook
 
 if TYPE_CHECKING:  # pragma: no cover
     from .weights import DraftWeights
@@ -93,20 +105,37 @@ def _rope_keys(cfg: DraftConfig) -> dict[str, tuple[str, Any]]:
 
 
 def _tensor_bytes(name: str, arr: np.ndarray, dtype: str) -> tuple[np.ndarray, Any]:
-    """(payload, raw GGML type) for GGUFWriter.add_tensor; vectors always f32."""
+    """(payload, raw GGML type) for GGUFWriter.add_tensor; anything but a matrix (norm vectors,
+    DFlash-2's 3-D base kernels) always f32."""
     from gguf import GGMLQuantizationType as Q
 
-    if arr.ndim == 1 or dtype == "f32":
+    if arr.ndim != 2 or dtype == "f32":
         return np.ascontiguousarray(arr, dtype=np.float32), None
     if dtype == "f16":
         return np.ascontiguousarray(arr, dtype=np.float16), None
     if dtype == "bf16":
         return to_bf16_bits(arr).view(np.uint8).reshape(arr.shape[0], -1), Q.BF16
+    # imported here: the one use of the compiled ggml in the model layer (docs/design.md, "Layers")
+    from ..ggml.types import quantize
+
     try:
         raw = quantize(dtype, arr)
     except ValueError as e:
         raise GGUFError(f"cannot store {name!r} {arr.shape} as {dtype}: {e}") from e
     return raw.reshape(arr.shape[0], -1), Q[dtype.upper()]
+
+
+def _check_dflash2_writable(cfg: DraftConfig, n_vocab: int) -> None:
+    """What llama.cpp's loader would refuse in a DFlash-2 file that DraftConfig allows."""
+    k = cfg.selector_top_k
+    if cfg.hidden < k * (k + 1):
+        raise GGUFError(
+            f"{key('selector_top_k')} = {k}: the selector's lattice would not fit in n_embd (llama.cpp packs "
+            f"k + k*k = {k * (k + 1)} values per position into one {cfg.hidden}-wide hidden row and "
+            "refuses the file)"
+        )
+    if k > n_vocab:
+        raise GGUFError(f"{key('selector_top_k')} = {k} exceeds the target vocabulary of {n_vocab} tokens")
 
 
 def use_more_bits(layer: int, n_layer: int) -> bool:
@@ -115,8 +144,22 @@ def use_more_bits(layer: int, n_layer: int) -> bool:
     return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
 
 
+# the types llama.cpp's converter itself writes (--outtype); a codebook keeps these
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
+Q8_0_BLOCK = 32
+
+
+def codebook_type(dtype: str, rank: int) -> str:
+    """The type of a DFlash-2 selector codebook (V, R) in a file of `dtype` (see the module docstring)."""
+    wanted = dtype if dtype in CONVERTER_TYPES else "q8_0"
+    if wanted == "q8_0" and rank % Q8_0_BLOCK:
+        return "f16"
+    return wanted
+
+
 def matrix_type(name: str, dtype: str, n_layer: int) -> str:
-    """The type `name` is stored in for a file of `dtype` (the mix's choice for "q4_k_m")."""
+    """The type `name` is stored in for a file of `dtype` (the mix's choice for "q4_k_m").
+    Selector codebooks go through `codebook_type` instead."""
     if dtype != "q4_k_m":
         return dtype
     if name == "lm_head":
@@ -127,8 +170,9 @@ def matrix_type(name: str, dtype: str, n_layer: int) -> str:
     return "q4_k"
 
 
-def save_gguf(weights: "DraftWeights", path: str | Path, dtype: str = "f16",
-              vocab_from: str | Path | None = None) -> Path:
+def save_gguf(
+    weights: DraftWeights, path: str | Path, dtype: str = "f16", vocab_from: str | Path | None = None
+) -> Path:
     """Write `weights` as a dflash GGUF at `path` (a .gguf file, or a directory for model.gguf)."""
     from gguf import GGUFValueType, GGUFWriter
 
@@ -149,6 +193,8 @@ def save_gguf(weights: "DraftWeights", path: str | Path, dtype: str = "f16",
     for name, m in (("embed_tokens", weights.embed_tokens), ("lm_head", weights.lm_head)):
         if m is not None and m.shape[0] != n_vocab:
             raise GGUFError(f"{name} has {m.shape[0]} rows, the target vocabulary {n_vocab}")
+    if cfg.is_dflash2:
+        _check_dflash2_writable(cfg, n_vocab)
 
     out = gguf_path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -172,20 +218,31 @@ def save_gguf(weights: "DraftWeights", path: str | Path, dtype: str = "f16",
         for k, v in u32.items():
             w.add_uint32(k, int(v))
         w.add_float32(key("attention.layer_norm_rms_epsilon"), float(cfg.rms_eps))
+        adders: dict[str, Callable[[str, Any], None]] = {"f32": w.add_float32, "u32": w.add_uint32, "str": w.add_string}
         for k, (kind, v) in _rope_keys(cfg).items():
-            {"f32": w.add_float32, "u32": w.add_uint32, "str": w.add_string}[kind](k, v)
-        w.add_key_value(key("target_layers"), [i + TARGET_LAYER_OFFSET for i in cfg.target_layer_ids],
-                        GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+            adders[kind](k, v)
+        w.add_key_value(
+            key("target_layers"),
+            [i + TARGET_LAYER_OFFSET for i in cfg.target_layer_ids],
+            GGUFValueType.ARRAY,
+            sub_type=GGUFValueType.INT32,
+        )
         if cfg.any_swa:  # as llama.cpp's converter writes them (it runs them its own way, see gguf_read)
             w.add_uint32(key("attention.sliding_window"), cfg.swa_window)
-            w.add_key_value(key("attention.sliding_window_pattern"), [t == "sliding" for t in cfg.layer_types],
-                            GGUFValueType.ARRAY, sub_type=GGUFValueType.BOOL)
+            w.add_key_value(
+                key("attention.sliding_window_pattern"),
+                [t == "sliding" for t in cfg.layer_types],
+                GGUFValueType.ARRAY,
+                sub_type=GGUFValueType.BOOL,
+            )
         if cfg.output_multiplier != 1.0:
             w.add_float32(key("logit_scale"), float(cfg.output_multiplier))
         if cfg.final_logit_softcapping is not None:
             w.add_float32(key("final_logit_softcapping"), float(cfg.final_logit_softcapping))
         if cfg.input_embedding_scale != 1.0:
             w.add_float32(key("embedding_scale"), float(cfg.input_embedding_scale))
+        for name in DFLASH2_KEYS if cfg.is_dflash2 else ():
+            w.add_uint32(key(name), int(getattr(cfg, name)))
         for k, v, vtype, sub in vocab:
             w.add_key_value(k, v, vtype, sub_type=sub)
         w.add_uint32(MASK_KEY, int(cfg.mask_token_id))
@@ -196,7 +253,11 @@ def save_gguf(weights: "DraftWeights", path: str | Path, dtype: str = "f16",
         if weights.lm_head is not None:
             arrays["lm_head"] = weights.lm_head
         for name, arr in arrays.items():
-            payload, raw_type = _tensor_bytes(name, arr, matrix_type(name, dtype, cfg.n_layer))
+            if is_selector_codebook(name):
+                kind = codebook_type(dtype, arr.shape[1])
+            else:
+                kind = matrix_type(name, dtype, cfg.n_layer)
+            payload, raw_type = _tensor_bytes(name, arr, kind)
             w.add_tensor(gguf_name(name), payload, raw_dtype=raw_type)
         w.write_header_to_file()
         w.write_kv_data_to_file()

@@ -1,25 +1,31 @@
 """config.json <-> DraftConfig: the `dflash` package's Qwen3-style drafter config, mapped key by key.
 
 Every key a config holds is either mapped to a DraftConfig field or refused by name (a
-CheckpointError): DFlash-2 keys, rope types other than default / linear / yarn, partial rotary,
-attention biases, non-causal sliding or causal full layers, ...
+CheckpointError): rope types other than default / linear / yarn, partial rotary, attention
+biases, non-causal sliding or causal full layers, ...
+
+DFlash-2 (`architectures: ["DFlash2DraftModel"]`, docs/dflash2.md): the four keys
+`conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`, read like every dflash
+key from `dflash_config` first, then the top level (the `dflash` package's `_draft_value`). A
+DFlash-2 architecture without all four, or the keys under the DFlash-1 architecture, is refused:
+the `dflash` package would build a different model than llama.cpp's converter.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..common.checks import is_real
-from .config import ConfigError, DraftConfig
+from .config import DFLASH2_FIELDS, ConfigError, DraftConfig
 from .errors import CheckpointError
 from .safetensors_io import save_dtype
 
-
 ARCHITECTURE = "DFlashDraftModel"
-DFLASH2_ARCHITECTURES = ("DFlash2DraftModel",)
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+DFLASH2_ARCHITECTURES = (DFLASH2_ARCHITECTURE,)
 
 # Qwen3Config's defaults (transformers 5.x), used where a key is absent, as DFlashDraftModel would.
 _QWEN3_DEFAULTS: dict[str, Any] = {
@@ -42,37 +48,109 @@ _DEFAULT_BLOCK_SIZE = 16  # dflash: int(_draft_value(config, "block_size", 16))
 # top-level keys that carry nothing this drafter's math depends on, or that are checked below
 _TOP_LEVEL_KEYS = {
     # PreTrainedConfig bookkeeping (transformers 4.x and 5.x)
-    "_name_or_path", "_attn_implementation", "_attn_implementation_autoset", "architectures", "auto_map",
-    "model_type", "transformers_version", "dtype",
-    "torch_dtype", "use_bfloat16", "chunk_size_feed_forward", "id2label", "label2id", "num_labels",
-    "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
-    "cross_attention_hidden_size", "output_attentions", "output_hidden_states", "return_dict",
-    "torchscript", "problem_type", "finetuning_task", "tokenizer_class", "prefix",
-    "task_specific_params", "tf_legacy_loss", "pruned_heads", "bos_token_id", "eos_token_id",
-    "pad_token_id", "sep_token_id", "decoder_start_token_id", "use_cache", "initializer_range",
-    "attention_dropout", "tie_word_embeddings", "max_position_embeddings", "max_window_layers",
+    "_name_or_path",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "architectures",
+    "auto_map",
+    "model_type",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "use_bfloat16",
+    "chunk_size_feed_forward",
+    "id2label",
+    "label2id",
+    "num_labels",
+    "is_encoder_decoder",
+    "is_decoder",
+    "add_cross_attention",
+    "tie_encoder_decoder",
+    "cross_attention_hidden_size",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "torchscript",
+    "problem_type",
+    "finetuning_task",
+    "tokenizer_class",
+    "prefix",
+    "task_specific_params",
+    "tf_legacy_loss",
+    "pruned_heads",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "use_cache",
+    "initializer_range",
+    "attention_dropout",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+    "max_window_layers",
     # Qwen3 structure
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "vocab_size",
-    "attention_bias", "mlp_bias", "layer_types", "use_sliding_window", "sliding_window",
-    "rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings",
-    "partial_rotary_factor", "is_causal",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "vocab_size",
+    "attention_bias",
+    "mlp_bias",
+    "layer_types",
+    "use_sliding_window",
+    "sliding_window",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "original_max_position_embeddings",
+    "partial_rotary_factor",
+    "is_causal",
     # dflash (read from dflash_config first, then here)
-    "dflash_config", "num_target_layers", "block_size", "mask_token_id", "target_layer_ids",
-    "output_multiplier", "final_logit_softcapping", "input_embedding_scale",
+    "dflash_config",
+    "num_target_layers",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "input_embedding_scale",
+    # DFlash-2 (dflash_config first, then here)
+    *DFLASH2_FIELDS,
 }
 _DFLASH_KEYS = {
-    "block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "output_multiplier",
-    "final_logit_softcapping", "input_embedding_scale", "causal", "attention_mode", "projector_type",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "num_target_layers",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "input_embedding_scale",
+    "causal",
+    "attention_mode",
+    "projector_type",
+    *DFLASH2_FIELDS,
 }
-_DFLASH2_KEYS = {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
 _HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 _ROPE_KEYS = {
     "default": {"rope_type", "type", "rope_theta"},
     "linear": {"rope_type", "type", "rope_theta", "factor"},
     "yarn": {
-        "rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "attention_factor",
-        "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate",
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
     },
 }
 
@@ -145,9 +223,14 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(rp) - _ROPE_KEYS[rope_type] - {"partial_rotary_factor"})
     if unknown:
         raise CheckpointError(f"unsupported {rope_type} rope parameter(s) {unknown}")
-    for where, prf in (("rope parameters", rp.get("partial_rotary_factor")), ("config", hf.get("partial_rotary_factor"))):
+    for where, prf in (
+        ("rope parameters", rp.get("partial_rotary_factor")),
+        ("config", hf.get("partial_rotary_factor")),
+    ):
         if prf is not None and float(prf) != 1.0:
-            raise CheckpointError(f"partial_rotary_factor {prf} in the {where} is not supported (rotary over the full head only)")
+            raise CheckpointError(
+                f"partial_rotary_factor {prf} in the {where} is not supported (rotary over the full head only)"
+            )
     theta = _float_value("rope_theta", rp["rope_theta"])
     out: dict[str, Any] = {"rope_theta": theta}
     if rope_type == "linear":
@@ -157,18 +240,22 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
         out["freq_scale"] = 1.0 / factor
     elif rope_type == "yarn":
         if rp.get("truncate", True) is not True:
-            raise CheckpointError("yarn rope with truncate=false is not supported (ggml floors/ceils the correction range)")
+            raise CheckpointError(
+                "yarn rope with truncate=false is not supported (ggml floors/ceils the correction range)"
+            )
         max_pos = hf.get("max_position_embeddings", _QWEN3_DEFAULTS["max_position_embeddings"])
         orig = rp.get("original_max_position_embeddings")
         if orig is None:  # transformers: top-level original_max_position_embeddings, else max_position_embeddings
             orig = hf.get("original_max_position_embeddings", max_pos)
         orig = _int_value("rope original_max_position_embeddings", orig)
-        factor = rp.get("factor")
-        if factor is None:
-            factor = _int_value("max_position_embeddings", max_pos) / orig
-        factor = _float_value("rope yarn factor", factor)
+        given = rp.get("factor")
+        if given is None:
+            given = _int_value("max_position_embeddings", max_pos) / orig
+        factor = _float_value("rope yarn factor", given)
         if factor <= 0 or orig <= 0:
-            raise CheckpointError(f"rope yarn factor and original_max_position_embeddings must be > 0, got {factor}, {orig}")
+            raise CheckpointError(
+                f"rope yarn factor and original_max_position_embeddings must be > 0, got {factor}, {orig}"
+            )
 
         def get_mscale(scale: float, mscale: float = 1.0) -> float:  # transformers' helper, verbatim
             if scale <= 1:
@@ -210,15 +297,13 @@ def config_from_hf(hf: Mapping[str, Any]) -> DraftConfig:
     if archs is not None:
         if not isinstance(archs, list) or not archs:
             raise CheckpointError(f"architectures must be a non-empty list, got {archs!r}")
-        dflash2 = [a for a in archs if a in DFLASH2_ARCHITECTURES]
-        if dflash2:
-            raise CheckpointError(f"architecture {dflash2[0]} (DFlash-2: dynamic convolutions + candidate selector) is not supported")
-        other = [a for a in archs if a != ARCHITECTURE]
+        other = [a for a in archs if a not in (ARCHITECTURE, DFLASH2_ARCHITECTURE)]
         if other:
-            raise CheckpointError(f"unsupported architecture(s) {other}; expected [{ARCHITECTURE!r}]")
-    d2 = sorted((_DFLASH2_KEYS & set(dc)) | (_DFLASH2_KEYS & set(hf)))
-    if d2:
-        raise CheckpointError(f"DFlash-2 config key(s) {d2} (dynamic convolutions / candidate selector) are not supported")
+            raise CheckpointError(
+                f"unsupported architecture(s) {other}; expected [{ARCHITECTURE!r}] or [{DFLASH2_ARCHITECTURE!r}]"
+            )
+        if len(set(archs)) > 1:
+            raise CheckpointError(f"architectures {archs} names both DFlash-1 and DFlash-2")
     unknown = sorted(set(dc) - _DFLASH_KEYS)
     if unknown:
         raise CheckpointError(f"unsupported dflash_config key(s) {unknown}")
@@ -313,6 +398,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> DraftConfig:
     softcap = value("final_logit_softcapping")
     softcap = None if softcap is None else _float_value("final_logit_softcapping", softcap)
     vocab = hf.get("vocab_size")
+    dflash2 = _dflash2_from_hf(archs, value)
 
     try:
         return DraftConfig(
@@ -334,9 +420,39 @@ def config_from_hf(hf: Mapping[str, Any]) -> DraftConfig:
             final_logit_softcapping=softcap if softcap is not None and softcap > 0 else None,
             target_layer_ids=ids,
             **_rope_from_hf(hf),
+            **dflash2,
         )
     except ConfigError as e:
         raise CheckpointError(str(e)) from e
+
+
+def _dflash2_from_hf(archs: Any, value: Callable[[str], Any]) -> dict[str, int]:
+    """The DFlash-2 fields of DraftConfig; `value(name)` is the `_draft_value` lookup.
+
+    The architecture and the keys must agree: `DFlash2DraftModel` reads all four keys (the
+    `dflash` package fails without one), while `DFlashDraftModel` would ignore them and drop the
+    DFlash-2 tensors, which llama.cpp's converter would keep. Without `architectures` the keys
+    decide."""
+    found = {name: value(name) for name in DFLASH2_FIELDS if value(name) is not None}
+    is_2 = isinstance(archs, list) and DFLASH2_ARCHITECTURE in archs
+    if isinstance(archs, list) and not is_2 and found:
+        raise CheckpointError(
+            f"DFlash-2 key(s) {sorted(found)} under architecture {ARCHITECTURE!r}: the dflash package "
+            f"would build a DFlash-1 drafter and drop the DFlash-2 tensors (use {DFLASH2_ARCHITECTURE!r})"
+        )
+    if not found and not is_2:
+        return {}
+    missing = [name for name in DFLASH2_FIELDS if name not in found]
+    if missing:
+        raise CheckpointError(
+            f"DFlash-2 config without {missing} (dflash_config.{missing[0]}): "
+            f"{DFLASH2_ARCHITECTURE} needs all of {list(DFLASH2_FIELDS)}"
+        )
+    out = {name: _int_value(f"dflash_config.{name}", v) for name, v in found.items()}
+    bad = [name for name, v in out.items() if v <= 0]
+    if bad:
+        raise CheckpointError(f"dflash_config.{bad[0]} must be > 0, got {out[bad[0]]}")
+    return out
 
 
 def _rope_to_hf(cfg: DraftConfig) -> tuple[dict[str, Any], int | None]:
@@ -344,7 +460,9 @@ def _rope_to_hf(cfg: DraftConfig) -> tuple[dict[str, Any], int | None]:
     rp: dict[str, Any] = {"rope_theta": float(cfg.rope_theta)}
     if cfg.ext_factor == 0.0:
         if cfg.attn_factor != 1.0:
-            raise CheckpointError(f"attn_factor {cfg.attn_factor} without YaRN (ext_factor 0) has no transformers equivalent")
+            raise CheckpointError(
+                f"attn_factor {cfg.attn_factor} without YaRN (ext_factor 0) has no transformers equivalent"
+            )
         if cfg.freq_scale == 1.0:
             rp["rope_type"] = "default"
         else:
@@ -387,8 +505,10 @@ def config_to_hf(cfg: DraftConfig, dtype: str = "float32") -> dict[str, Any]:
         dflash_config["output_multiplier"] = float(cfg.output_multiplier)
     if cfg.final_logit_softcapping is not None:
         dflash_config["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+    if cfg.is_dflash2:  # in dflash_config: llama.cpp's converter reads them nowhere else
+        dflash_config.update({name: int(getattr(cfg, name)) for name in DFLASH2_FIELDS})
     hf: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
+        "architectures": [DFLASH2_ARCHITECTURE if cfg.is_dflash2 else ARCHITECTURE],
         "attention_bias": False,
         "attention_dropout": 0.0,
         "block_size": cfg.block_size,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
@@ -26,9 +27,14 @@ from .errors import CheckpointError, CheckpointNotFoundError
 READ_DTYPES = ("F32", "F16", "BF16")
 # save dtype spellings -> (safetensors tag, config.json "dtype")
 SAVE_DTYPES: dict[str, tuple[str, str]] = {
-    "float32": ("F32", "float32"), "f32": ("F32", "float32"), "fp32": ("F32", "float32"),
-    "bfloat16": ("BF16", "bfloat16"), "bf16": ("BF16", "bfloat16"),
-    "float16": ("F16", "float16"), "f16": ("F16", "float16"), "fp16": ("F16", "float16"),
+    "float32": ("F32", "float32"),
+    "f32": ("F32", "float32"),
+    "fp32": ("F32", "float32"),
+    "bfloat16": ("BF16", "bfloat16"),
+    "bf16": ("BF16", "bfloat16"),
+    "float16": ("F16", "float16"),
+    "f16": ("F16", "float16"),
+    "fp16": ("F16", "float16"),
 }
 
 
@@ -64,8 +70,10 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, dict[str, Any]]
     _check_no_duplicate_names(path)
     try:
         with safe_open(str(path), framework="numpy") as f:
-            tensors = {name: {"dtype": f.get_slice(name).get_dtype(), "shape": list(f.get_slice(name).get_shape())}
-                       for name in f.keys()}
+            tensors = {
+                name: {"dtype": f.get_slice(name).get_dtype(), "shape": list(f.get_slice(name).get_shape())}
+                for name in f.keys()  # noqa: SIM118 (a safe_open handle, not a dict)
+            }
             return tensors, dict(f.metadata() or {})
     except SafetensorError as e:
         raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from e
@@ -85,19 +93,21 @@ def read_safetensors(path: str | Path, names: Iterable[str] | None = None) -> di
                     raise CheckpointError(f"{path}: no tensor {name!r}")
                 dtype = header[name]["dtype"]
                 if dtype not in READ_DTYPES:
-                    raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}; only F32, F16 and BF16 are supported")
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r} has dtype {dtype}; only F32, F16 and BF16 are supported"
+                    )
                 out[name] = np.ascontiguousarray(f.get_tensor(name), dtype=np.float32)
     except SafetensorError as e:
         raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from e
     return out
 
 
-def save_dtype(dtype: object) -> tuple[str, str]:
+def save_dtype(dtype: npt.DTypeLike) -> tuple[str, str]:
     """(safetensors tag, config.json dtype name) for a dtype spelling or numpy dtype."""
-    key = dtype
+    key: object = dtype
     if not isinstance(dtype, str) and dtype is not None:
         try:
-            key = str(np.dtype(dtype))  # type: ignore[call-overload]
+            key = str(np.dtype(dtype))
         except TypeError:
             key = None
     if isinstance(key, str) and key.lower() in SAVE_DTYPES:
@@ -125,8 +135,12 @@ def _stored(name: str, array: np.ndarray, tag: str) -> np.ndarray:
     return data
 
 
-def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], dtype: str = "float32",
-                      metadata: Mapping[str, str] | None = None) -> None:
+def write_safetensors(
+    path: str | Path,
+    tensors: Mapping[str, np.ndarray],
+    dtype: str = "float32",
+    metadata: Mapping[str, str] | None = None,
+) -> None:
     """Write float tensors in `dtype` (float32 / bfloat16 / float16), atomically, with the
     ``{"format": "pt"}`` metadata transformers requires."""
     tag = save_dtype(dtype)[0]

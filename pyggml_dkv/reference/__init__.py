@@ -29,26 +29,39 @@ Sliding-window flavours (`swa=`), for layers whose type is "sliding":
   (row 0 sees the last ``swa_window - 1`` context positions); noise keys: ``i <= j`` and
   ``j - i < swa_window``. (dflash's key positions are cache indices, which equal absolute
   positions because its cache holds positions 0..committed-1 contiguously.)
+* ``"llama"``: what llama.cpp runs (docs/dflash2.md, section 4: "per-row window, non-causal"): its
+  DFlash attention is non-causal and a sliding layer drops exactly the keys with
+  ``q - k >= swa_window``, context and noise alike. Query row j (position ``q = committed + j``)
+  sees context key position p iff ``q - p < swa_window``, and every noise key at or ahead of it,
+  plus the noise keys behind it that are less than ``swa_window`` rows back.
 * ``"off"``: sliding layers are treated exactly like full layers.
 
 Full layers (every flavour): every given context key and every noise key is visible
 (non-causal), as in dflash where full layers get no mask at all.
+
+DFlash-2 configs (`cfg.is_dflash2`, docs/dflash2.md) wrap the attention and the MLP of every
+layer in the grouped dynamic causal convolutions of `reference.dflash2` (over the noise rows, one
+block; the context rows are never convolved, so the context K/V are DFlash-1's). Q, K and V of
+the noise rows then come from the convolved normed input. The convolutions run in float64
+whatever `dtype` is; their results are cast back to it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from ..common.checks import is_int
 from ..model.config import LAYER_TYPES, DraftConfig
 from ..model.weights import DraftWeights
+from .dflash2 import conv_sublayer
 
-SwaMode = Literal["seed", "per_row", "off"]
-SWA_MODES: tuple[str, ...] = ("seed", "per_row", "off")
+SwaMode = Literal["seed", "per_row", "llama", "off"]
+SWA_MODES: tuple[str, ...] = ("seed", "per_row", "llama", "off")
 
 __all__ = [
     "SWA_MODES",
@@ -59,6 +72,7 @@ __all__ = [
     "fuse_features",
     "lm_logits",
     "mlp",
+    "mlp_normed",
     "project_kv",
     "reference_step",
     "rms_norm",
@@ -107,8 +121,8 @@ def _positions(name: str, pos: object, length: int | None = None) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def _dtype(dtype: object) -> np.dtype:
-    dt = np.dtype(dtype)  # type: ignore[arg-type]
+def _dtype(dtype: npt.DTypeLike) -> np.dtype:
+    dt = np.dtype(dtype)
     if dt.kind != "f":
         raise ValueError(f"dtype must be a floating-point type, got {dt}")
     return dt
@@ -175,7 +189,7 @@ def yarn_corr_dims(cfg: DraftConfig) -> tuple[float, float]:
 
     start = float(np.floor(corr_dim(cfg.beta_fast)))
     end = float(np.ceil(corr_dim(cfg.beta_slow)))
-    low = 0.0 if 0 > start else start  # MAX(0, start)
+    low = 0.0 if start < 0 else start  # MAX(0, start)
     high = float(n_dims - 1) if (n_dims - 1) < end else end  # MIN(n_dims - 1, end)
     return low, high
 
@@ -183,14 +197,14 @@ def yarn_corr_dims(cfg: DraftConfig) -> tuple[float, float]:
 def yarn_ramp(low: float, high: float, n_pairs: int) -> np.ndarray:
     """ggml's `rope_yarn_ramp` for pairs i = 0..n_pairs-1 (i = i0/2): 1 below `low`, 0 above `high`.
 
-        y = (i - low) / MAX(0.001, high - low);   ramp = 1 - MIN(1, MAX(0, y))
+    y = (i - low) / MAX(0.001, high - low);   ramp = 1 - MIN(1, MAX(0, y))
     """
     span = high - low
-    denom = 0.001 if 0.001 > span else span  # MAX(0.001f, high - low); NaN stays NaN
+    denom = 0.001 if span < 0.001 else span  # MAX(0.001f, high - low); NaN stays NaN
     with np.errstate(invalid="ignore"):
         y = (np.arange(n_pairs, dtype=np.float64) - low) / denom
-        clipped = np.where(0 > y, 0.0, y)  # MAX(0, y)
-        clipped = np.where(1 < clipped, 1.0, clipped)  # MIN(1, .)
+        clipped = np.where(y < 0, 0.0, y)  # MAX(0, y)
+        clipped = np.where(clipped > 1, 1.0, clipped)  # MIN(1, .)
     return 1.0 - clipped
 
 
@@ -330,7 +344,7 @@ def visibility(
 
     Query row j sits at position committed + j; noise key i at committed + i; context key c at
     ctx_positions[c] (the caller passes only in-window rows). See the module docstring for the
-    three `swa` flavours; full layers (and every layer with swa="off") see everything.
+    `swa` flavours; full layers (and every layer with swa="off") see everything.
     """
     if layer_type not in LAYER_TYPES:
         raise ValueError(f"layer_type must be one of {LAYER_TYPES}, got {layer_type!r}")
@@ -351,22 +365,77 @@ def visibility(
         ctx_vis = (committed - eff <= ctx) & (ctx < committed)  # same for every row
         ctx_vis = np.broadcast_to(ctx_vis[None, :], (q_len, ctx.size))
         noise_vis = noise_pos <= q_pos  # causal
-    else:  # "per_row": dflash's _attention_mask for a causal sliding layer
+    elif swa == "per_row":  # dflash's _attention_mask for a causal sliding layer
+
         def windowed(k_pos: np.ndarray) -> np.ndarray:
             return (k_pos <= q_pos) & (q_pos - k_pos < cfg.swa_window)
+
+        ctx_vis = windowed(ctx[None, :])
+        noise_vis = windowed(noise_pos)
+    else:  # "llama": llama.cpp's non-causal attention, keys dropped by llama_hparams::is_masked_swa
+
+        def windowed(k_pos: np.ndarray) -> np.ndarray:
+            return q_pos - k_pos < cfg.swa_window
 
         ctx_vis = windowed(ctx[None, :])
         noise_vis = windowed(noise_pos)
     return np.concatenate([ctx_vis, noise_vis], axis=1)
 
 
+def mlp_normed(w: DraftWeights, layer: int, hf: np.ndarray) -> np.ndarray:
+    """SwiGLU of an already normed input: `down @ (silu(gate @ hf) * (up @ hf))`."""
+    gate = hf @ _layer_weight(w, layer, "mlp.gate_proj.weight", hf).T
+    up = hf @ _layer_weight(w, layer, "mlp.up_proj.weight", hf).T
+    return (silu(gate) * up) @ _layer_weight(w, layer, "mlp.down_proj.weight", hf).T
+
+
 def mlp(w: DraftWeights, layer: int, h: np.ndarray) -> np.ndarray:
     """SwiGLU: `down @ (silu(gate @ hf) * (up @ hf))` with `hf = RMSNorm(h) * ffn_norm`."""
+    hf = rms_norm(h, _layer_weight(w, layer, "post_attention_layernorm.weight", h), w.cfg.rms_eps)
+    return mlp_normed(w, layer, hf)
+
+
+def _noise_attention(
+    w: DraftWeights,
+    layer: int,
+    hn: np.ndarray,
+    fused: np.ndarray,
+    ctx_positions: np.ndarray,
+    committed: int,
+    swa: SwaMode,
+) -> np.ndarray:
+    """Attention incl. o_proj of the noise rows whose normed input is `hn` (q_len, hidden):
+    their Q and their own K/V come from `hn`, the context K/V from the fused features."""
     cfg = w.cfg
-    hf = rms_norm(h, _layer_weight(w, layer, "post_attention_layernorm.weight", h), cfg.rms_eps)
-    gate = hf @ _layer_weight(w, layer, "mlp.gate_proj.weight", h).T
-    up = hf @ _layer_weight(w, layer, "mlp.up_proj.weight", h).T
-    return (silu(gate) * up) @ _layer_weight(w, layer, "mlp.down_proj.weight", h).T
+    q_len = hn.shape[0]
+    noise_pos = committed + np.arange(q_len, dtype=np.int64)
+    q = _heads(hn @ _layer_weight(w, layer, "self_attn.q_proj.weight", hn).T, cfg.n_head, cfg.head_dim)
+    q = rope_neox(rms_norm(q, _layer_weight(w, layer, "self_attn.q_norm.weight", hn), cfg.rms_eps), noise_pos, cfg)
+
+    k_ctx, v_ctx = context_kv(w, layer, fused, ctx_positions)
+    k_noise, v_noise = project_kv(w, layer, hn, noise_pos)
+    k = np.concatenate([k_ctx, k_noise], axis=0)
+    v = np.concatenate([v_ctx, v_noise], axis=0)
+
+    visible = visibility(cfg, cfg.layer_types[layer], ctx_positions, committed, q_len, swa)
+    attn = attention(q, k, v, visible).reshape(q_len, cfg.n_head * cfg.head_dim)
+    return attn @ _layer_weight(w, layer, "self_attn.o_proj.weight", hn).T
+
+
+def _convolved(
+    w: DraftWeights, layer: int, conv: str, normed: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray]
+) -> np.ndarray:
+    """DFlash-2: `sublayer` wrapped in the layer's `conv` ("attention_conv" / "mlp_conv")
+    convolutions over the noise block (all rows, one block), in normed's dtype."""
+    dt = normed.dtype
+    out = conv_sublayer(
+        normed,
+        w[f"layers.{layer}.{conv}.base_kernel"],
+        w[f"layers.{layer}.{conv}.kernel_projection.weight"],
+        lambda x: sublayer(x.astype(dt)),  # the sublayer itself computes in the caller's dtype
+        w.cfg.conv_group_size,
+    )
+    return out.astype(dt)
 
 
 def decoder_layer(
@@ -378,24 +447,22 @@ def decoder_layer(
     committed: int,
     swa: SwaMode = "seed",
 ) -> np.ndarray:
-    """One drafter layer on the noise block h (q_len, hidden); returns the new h."""
+    """One drafter layer on the noise block h (q_len, hidden); returns the new h.
+
+    DFlash-2 (docs/dflash2.md, section 1): the attention and the MLP each read their normed
+    input through side 0 of their convolution and write through side 1, before the residual."""
     cfg = w.cfg
-    q_len = h.shape[0]
-    noise_pos = committed + np.arange(q_len, dtype=np.int64)
-
     hn = rms_norm(h, _layer_weight(w, layer, "input_layernorm.weight", h), cfg.rms_eps)
-    q = _heads(hn @ _layer_weight(w, layer, "self_attn.q_proj.weight", h).T, cfg.n_head, cfg.head_dim)
-    q = rope_neox(rms_norm(q, _layer_weight(w, layer, "self_attn.q_norm.weight", h), cfg.rms_eps), noise_pos, cfg)
 
-    k_ctx, v_ctx = context_kv(w, layer, fused, ctx_positions)
-    k_noise, v_noise = project_kv(w, layer, hn, noise_pos)
-    k = np.concatenate([k_ctx, k_noise], axis=0)
-    v = np.concatenate([v_ctx, v_noise], axis=0)
+    def attend(x: np.ndarray) -> np.ndarray:
+        return _noise_attention(w, layer, x, fused, ctx_positions, committed, swa)
 
-    visible = visibility(cfg, cfg.layer_types[layer], ctx_positions, committed, q_len, swa)
-    attn = attention(q, k, v, visible).reshape(q_len, cfg.n_head * cfg.head_dim)
-    h = h + attn @ _layer_weight(w, layer, "self_attn.o_proj.weight", h).T
-    return h + mlp(w, layer, h)
+    if not cfg.is_dflash2:
+        h = h + attend(hn)
+        return h + mlp(w, layer, h)
+    h = h + _convolved(w, layer, "attention_conv", hn, attend)
+    hf = rms_norm(h, _layer_weight(w, layer, "post_attention_layernorm.weight", h), cfg.rms_eps)
+    return h + _convolved(w, layer, "mlp_conv", hf, lambda x: mlp_normed(w, layer, x))
 
 
 def lm_logits(out: np.ndarray, lm_head: np.ndarray, cfg: DraftConfig) -> np.ndarray:

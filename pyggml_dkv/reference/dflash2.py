@@ -20,16 +20,25 @@ Layout, as in `pyggml_dkv.reference`: one row per token, weights in PyTorch `(ou
     successor_codebook     (V, R)          HF `candidate_selector.successor_codebook`
 
 with K = conv_kernel_size, G = H / conv_group_size groups, R = selector_rank, V = vocab.
+
+`selector_lattice` and `draft_step_dflash2` apply the selector to a drafter's own weights
+(DraftWeights of a DFlash-2 config); `reference.decoder_layer` applies the convolutions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..common.checks import is_int
+from ..model.tensor_names import SELECTOR_HIDDEN, SELECTOR_PREDECESSOR, SELECTOR_SUCCESSOR
+from ..model.weights import DraftWeights
+
+if TYPE_CHECKING:  # pragma: no cover
+    from . import SwaMode
 
 __all__ = [
     "Lattice",
@@ -37,12 +46,14 @@ __all__ = [
     "conv_deltas",
     "conv_sublayer",
     "draft_distribution",
+    "draft_step_dflash2",
     "dynamic_conv",
     "edge_scores",
     "greedy_walk",
     "pack_lattice",
     "sample_path",
     "selector_gate",
+    "selector_lattice",
     "selector_scores",
     "top_k_candidates",
 ]
@@ -55,9 +66,9 @@ SIDES = (0, 1)  # 0: convolve the sublayer input; 1: convolve the sublayer outpu
 
 
 def _positive_int(name: str, value: object) -> int:
-    if not is_int(value) or int(value) < 1:  # type: ignore[arg-type]
+    if not is_int(value) or int(value) < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)  # type: ignore[arg-type]
+    return int(value)
 
 
 def _array(name: str, x: object, ndim: int, *, allow_neg_inf: bool = False) -> np.ndarray:
@@ -89,9 +100,9 @@ def _ids(name: str, ids: object, ndim: int, vocab: int) -> np.ndarray:
 
 
 def _side(side: object) -> int:
-    if not is_int(side) or int(side) not in SIDES:  # type: ignore[arg-type]
+    if not is_int(side) or int(side) not in SIDES:
         raise ValueError(f"side must be 0 (sublayer input) or 1 (sublayer output), got {side!r}")
-    return int(side)  # type: ignore[arg-type]
+    return int(side)
 
 
 def _block_len(n_rows: int, block_len: object) -> int:
@@ -404,3 +415,77 @@ def draft_distribution(candidates: np.ndarray, probs: np.ndarray, vocab: int) ->
     full = np.zeros((cand.shape[0], vocab))
     np.put_along_axis(full, cand, probs, axis=1)
     return full
+
+
+# --------------------------------------------------------------------------------------------
+# a DFlash-2 drafter's selector and draft step
+
+
+def _dflash2_weights(w: object) -> DraftWeights:
+    if not isinstance(w, DraftWeights):
+        raise ValueError(f"w must be DraftWeights, got {type(w).__name__}")
+    if not w.cfg.is_dflash2:
+        raise ValueError("w is a DFlash-1 drafter (its config has no conv_kernel_size / selector_top_k)")
+    return w
+
+
+def selector_lattice(w: DraftWeights, out_hidden: np.ndarray, logits: np.ndarray, anchor: int) -> Lattice:
+    """The lattice of one block from a DFlash-2 drafter's selector weights.
+
+    out_hidden (n, H): the block's final normed hidden rows (`draft_forward` without lm_head);
+    logits (n, V): their scaled, soft-capped logits (`lm_logits`); both include row 0 (the
+    anchor's); `anchor`: the anchor token id. As llama.cpp, only the first min(n, block_size)
+    rows are scored (see `selector_scores`).
+    """
+    w = _dflash2_weights(w)
+    cfg = w.cfg
+    hidden = _array("out_hidden", out_hidden, 2)
+    logits = _array("logits", logits, 2, allow_neg_inf=True)
+    if hidden.shape[1] != cfg.hidden or logits.shape[1] != cfg.vocab:
+        raise ValueError(
+            f"out_hidden must be (n, H={cfg.hidden}) and logits (n, V={cfg.vocab}), "
+            f"got {hidden.shape} and {logits.shape}"
+        )
+    rows = min(hidden.shape[0], cfg.block_size)
+    if not is_int(anchor) or not 0 <= int(anchor) < int(cfg.vocab or 0):
+        raise ValueError(f"anchor must be a token id in [0, {cfg.vocab}), got {anchor!r}")
+    return selector_scores(
+        hidden[:rows],
+        logits[:rows],
+        int(anchor),
+        w[SELECTOR_HIDDEN],
+        w[SELECTOR_PREDECESSOR],
+        w[SELECTOR_SUCCESSOR],
+        cfg.selector_top_k,
+    )
+
+
+def draft_step_dflash2(
+    w: DraftWeights,
+    all_feats: np.ndarray,
+    committed: int,
+    cap: int,
+    noise_embed: np.ndarray,
+    anchor: int,
+    lm_head: np.ndarray,
+    *,
+    swa: SwaMode = "seed",
+    p_min: float = 0.0,
+    dtype: np.dtype | type = np.float64,
+) -> tuple[Lattice, np.ndarray]:
+    """One DFlash-2 draft step as llama.cpp takes it: (the block's lattice, the greedy walk's ids).
+
+    The inputs are `reference_step`'s (noise_embed row 0 is the anchor token's embedding) plus the
+    anchor's id and the lm_head (V, H). The forward pass runs in `dtype`, the selector in float64.
+    """
+    # imported here: the package's __init__ imports this module for its convolutions
+    from . import lm_logits, reference_step
+
+    w = _dflash2_weights(w)
+    head = _array("lm_head", lm_head, 2)
+    if head.shape != (w.cfg.vocab, w.cfg.hidden):
+        raise ValueError(f"lm_head must be (V={w.cfg.vocab}, H={w.cfg.hidden}), got {head.shape}")
+    out = reference_step(w, all_feats, committed, cap, noise_embed, swa=swa, dtype=dtype)
+    logits = lm_logits(out, head.astype(out.dtype), w.cfg)
+    lattice = selector_lattice(w, out, logits, anchor)
+    return lattice, greedy_walk(lattice, p_min)

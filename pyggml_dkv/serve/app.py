@@ -41,8 +41,15 @@ RETRY_AFTER_S = 1
 class ApiError(Exception):
     """An error answered as OpenAI's JSON error body with `status`."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
 
@@ -59,8 +66,16 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(error_body(message, param=param), status_code=400)
 
 
-def create_app(engine: Any, text: Any, *, model_id: str, context_length: int, api_key: str | None = None,
-               shutdown_timeout: float = 10.0, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+def create_app(
+    engine: Any,
+    text: Any,
+    *,
+    model_id: str,
+    context_length: int,
+    api_key: str | None = None,
+    shutdown_timeout: float = 10.0,
+    on_shutdown: Callable[[], None] | None = None,
+) -> FastAPI:
     """The app serving `engine` (a SpeculativeEngine) with `text` (hosts.llama_cpp.text.LlamaText:
     tokenizer and chat template of the engine's model). `context_length`: positions one request
     may use (prompt + generated). `on_shutdown`: called after the engine shut down."""
@@ -95,31 +110,42 @@ def create_app(engine: Any, text: Any, *, model_id: str, context_length: int, ap
             return
         header = request.headers.get("authorization", "")
         if header != f"Bearer {api_key}":
-            raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key",
-                           code="invalid_api_key")
+            raise ApiError(
+                401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key", code="invalid_api_key"
+            )
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        out: dict[str, Any] = {"status": "ok", "active": engine.active, "waiting": engine.waiting,
-                               "engine": engine.stats.to_dict()}
+        out: dict[str, Any] = {
+            "status": "ok",
+            "active": engine.active,
+            "waiting": engine.waiting,
+            "engine": engine.stats.to_dict(),
+        }
         if engine.cost_model is not None:
             out["cost_model"] = engine.cost_model.snapshot()
         return out
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                             "owned_by": "pyggml_dkv"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "pyggml_dkv"}],
+        }
 
     def params_of(body: SamplingFields, prompt_len: int) -> RequestParams:
         room = context_length - prompt_len
         if room <= 0:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens; the context holds {context_length}",
-                           param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                           code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_len} tokens; the context holds {context_length}",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
         max_tokens = room if body.max_tokens is None else min(body.max_tokens, room)
-        return RequestParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                             seed=body.seed)
+        return RequestParams(
+            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed
+        )
 
     def submit(prompt: list[int], params: RequestParams, rid: str) -> RequestHandle:
         try:
@@ -153,7 +179,7 @@ def create_app(engine: Any, text: Any, *, model_id: str, context_length: int, ap
     async def run(body: SamplingFields, prompt: list[int], request: Request, chat: bool) -> Any:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         handle = submit(prompt, params_of(body, len(prompt)), rid)
-        stream = TextStream(text, body.stop or [])  # type: ignore[arg-type]
+        stream = TextStream(text, body.stop or [])
         # a whole answer without stop strings needs its tokens only at the end: no text work on
         # the event loop's thread while the engine decodes (it would share the cores with ggml)
         every_round = bool(body.stream or body.stop)
@@ -187,7 +213,7 @@ def create_app(engine: Any, text: Any, *, model_id: str, context_length: int, ap
     return app
 
 
-def _pump(handle: RequestHandle, every_round: bool = True) -> "asyncio.Queue[list[int] | None]":
+def _pump(handle: RequestHandle, every_round: bool = True) -> asyncio.Queue[list[int] | None]:
     """The handle's tokens, one list per round, into an asyncio queue of the running loop (None at
     the end): the engine's thread hands them over itself, one wake-up of the loop per round
     (`every_round` False: only the end is handed over)."""
@@ -215,33 +241,56 @@ def _finish_reason(handle: RequestHandle, stream: TextStream) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _usage(handle: RequestHandle, prompt_len: int) -> dict[str, int]:
+def _usage(handle: RequestHandle, prompt_len: int) -> dict[str, Any]:
     n = len(handle.tokens)
-    return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n,
-            "prompt_tokens_details": {"cached_tokens": handle.stats.cached_tokens}}
+    return {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": n,
+        "total_tokens": prompt_len + n,
+        "prompt_tokens_details": {"cached_tokens": handle.stats.cached_tokens},
+    }
 
 
-def _final(handle: RequestHandle, stream: TextStream, out: str, meta: dict[str, Any], chat: bool,
-           prompt_len: int) -> dict[str, Any]:
+def _final(
+    handle: RequestHandle, stream: TextStream, out: str, meta: dict[str, Any], chat: bool, prompt_len: int
+) -> dict[str, Any]:
     reason = _finish_reason(handle, stream)
     if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": reason,
-                                  "logprobs": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": out},
+            "finish_reason": reason,
+            "logprobs": None,
+        }
     else:
         choice = {"index": 0, "text": out, "finish_reason": reason, "logprobs": None}
-    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-            "usage": _usage(handle, prompt_len), "speculation": handle.stats.to_dict()}
+    return {
+        **meta,
+        "object": "chat.completion" if chat else "text_completion",
+        "choices": [choice],
+        "usage": _usage(handle, prompt_len),
+        "speculation": handle.stats.to_dict(),
+    }
 
 
-async def _sse(handle: RequestHandle, tokens: "asyncio.Queue[list[int] | None]", stream: TextStream,
-               meta: dict[str, Any], chat: bool, prompt_len: int) -> AsyncIterator[str]:
+async def _sse(
+    handle: RequestHandle,
+    tokens: asyncio.Queue[list[int] | None],
+    stream: TextStream,
+    meta: dict[str, Any],
+    chat: bool,
+    prompt_len: int,
+) -> AsyncIterator[str]:
     """The request's chunks as SSE data lines; cancelled when the client goes away."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(piece: str | None, reason: str | None, first: bool = False) -> str:
         if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": piece or ""} if first else \
-                ({"content": piece} if piece is not None else {})
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": piece or ""}
+                if first
+                else ({"content": piece} if piece is not None else {})
+            )
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}

@@ -36,7 +36,7 @@ class TextStream:
     def _release(self, final: bool) -> str:
         hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
         if hits:
-            out = self._pending[:min(hits)]
+            out = self._pending[: min(hits)]
             self._pending = ""
             self.stopped = True
         elif final or not self._stops:

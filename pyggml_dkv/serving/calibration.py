@@ -33,8 +33,9 @@ def row_points(max_rows: int) -> list[int]:
     return sorted(pts)
 
 
-def calibrate(target: Any, drafter: Any, parallel: int, max_rows: int, *, reps: int = 5,
-              context: int = 32) -> CostModel:
+def calibrate(
+    target: Any, drafter: Any, parallel: int, max_rows: int, *, reps: int = 5, context: int = 32
+) -> CostModel:
     """Measure a CostModel on `target` (a BatchedLlamaTarget) and `drafter` (lanes >= parallel)."""
     t_start = time.perf_counter()
     seqs = list(range(parallel))
@@ -82,7 +83,10 @@ def calibrate(target: Any, drafter: Any, parallel: int, max_rows: int, *, reps: 
     for s in seqs:
         target.clear_seq(s)
     model = CostModel(verify, draft)
-    log.info("calibrated in %.2f s: verify ms by rows %s, draft step ms by lanes %s",
-             time.perf_counter() - t_start, {r: round(1e3 * t, 2) for r, t in verify.items()},
-             {g: round(1e3 * t, 2) for g, t in draft.items()})
+    log.info(
+        "calibrated in %.2f s: verify ms by rows %s, draft step ms by lanes %s",
+        time.perf_counter() - t_start,
+        {r: round(1e3 * t, 2) for r, t in verify.items()},
+        {g: round(1e3 * t, 2) for g, t in draft.items()},
+    )
     return model

@@ -53,21 +53,37 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..common.checks import is_int
 from .calibration import calibrate
 from .policy import AcceptanceEstimate, CostModel, DraftPolicy, PolicyRequest, SpeedPolicy, graph_lanes
-from .requests import (EngineClosedError, EngineError, QueueFullError, RequestHandle, RequestParams,
-                       RequestResult, RequestStats)
+from .requests import (
+    EngineClosedError,
+    EngineError,
+    QueueFullError,
+    RequestHandle,
+    RequestParams,
+    RequestResult,
+    RequestStats,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineClosedError", "EngineError", "QueueFullError", "RequestHandle", "RequestParams",
-           "RequestResult", "RequestStats", "SpeculativeEngine"]
+__all__ = [
+    "EngineClosedError",
+    "EngineError",
+    "QueueFullError",
+    "RequestHandle",
+    "RequestParams",
+    "RequestResult",
+    "RequestStats",
+    "SpeculativeEngine",
+]
 
 _ids = itertools.count(1)
 DRAFT_SHARE = 0.25  # a request that drafts in fewer of its rounds is not worth its capture
@@ -129,8 +145,8 @@ class SpeculativeEngine:
     draft_max: most drafts per request and round (default block_size - 1). policy: SpeedPolicy()
     by default (FixedPolicy(k) forces k). cost_model: a CostModel to start from (another
     engine's), else measured at start-up when the policy needs one. prefill_chunk: most prompt
-    rows per round (default n_batch). seed: the drafter's sampling draws. reuse_prefix: a request
-    starts on the free sequence whose previous request's tokens share the longest prefix with its
+    rows per round (default n_batch). seed: the draws of requests that bring no seed of their
+    own. reuse_prefix: a request starts on the free sequence whose previous request's tokens share the longest prefix with its
     prompt and keeps those positions (the target's KV cells and the drafter lane's features), as
     llama-server's prompt cache does; False: every request starts from an empty sequence.
     give_up_rounds, explore_every: when a request stops speculating and when new ones start
@@ -138,11 +154,23 @@ class SpeculativeEngine:
     The engine does not own the target or the drafter (it leaves them empty at shutdown).
     """
 
-    def __init__(self, target: Any, drafter: Any = None, *, parallel: int | None = None, max_queue: int = 16,
-                 draft_max: int | None = None, policy: DraftPolicy | None = None,
-                 cost_model: CostModel | None = None, prefill_chunk: int | None = None, seed: int = 0,
-                 reuse_prefix: bool = True, give_up_rounds: int = 32, explore_every: int = 8,
-                 name: str = "spec-engine") -> None:
+    def __init__(
+        self,
+        target: Any,
+        drafter: Any = None,
+        *,
+        parallel: int | None = None,
+        max_queue: int = 16,
+        draft_max: int | None = None,
+        policy: DraftPolicy | None = None,
+        cost_model: CostModel | None = None,
+        prefill_chunk: int | None = None,
+        seed: int = 0,
+        reuse_prefix: bool = True,
+        give_up_rounds: int = 32,
+        explore_every: int = 8,
+        name: str = "spec-engine",
+    ) -> None:
         if getattr(target, "closed", True):
             raise EngineError("the target is closed (or not a BatchedLlamaTarget)")
         self.target = target
@@ -150,10 +178,14 @@ class SpeculativeEngine:
         if parallel is None:
             parallel = int(target.n_parallel)
         if not is_int(parallel) or not 1 <= parallel <= target.n_parallel:
-            raise ValueError(f"parallel must be an int in [1, {target.n_parallel}] (the target's sequences), got {parallel!r}")
+            raise ValueError(
+                f"parallel must be an int in [1, {target.n_parallel}] (the target's sequences), got {parallel!r}"
+            )
         self.parallel = int(parallel)
         if target.n_batch < self.parallel:
-            raise ValueError(f"the target's n_batch {target.n_batch} cannot verify {self.parallel} requests in one decode")
+            raise ValueError(
+                f"the target's n_batch {target.n_batch} cannot verify {self.parallel} requests in one decode"
+            )
         if not is_int(max_queue) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
         self.max_queue = int(max_queue)
@@ -164,7 +196,9 @@ class SpeculativeEngine:
         if draft_max is None:
             draft_max = block - 1
         if not is_int(draft_max) or not 0 <= draft_max <= block - 1:
-            raise ValueError(f"draft_max must be an int in [0, {block - 1}] (the drafter's block size - 1), got {draft_max!r}")
+            raise ValueError(
+                f"draft_max must be an int in [0, {block - 1}] (the drafter's block size - 1), got {draft_max!r}"
+            )
         self.draft_max = int(draft_max)
         self.max_rows = min(target.n_batch, self.parallel * (1 + self.draft_max))
         if prefill_chunk is None:
@@ -214,8 +248,13 @@ class SpeculativeEngine:
 
     # --- client API ------------------------------------------------------------------------
 
-    def submit(self, prompt_tokens: Sequence[int] | np.ndarray, params: RequestParams | None = None, *,
-               request_id: str | None = None) -> RequestHandle:
+    def submit(
+        self,
+        prompt_tokens: Sequence[int] | np.ndarray,
+        params: RequestParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> RequestHandle:
         """Queue a request; returns its handle at once. QueueFullError when every sequence is busy
         and `max_queue` requests already wait; EngineClosedError after shutdown."""
         params = params if params is not None else RequestParams()
@@ -229,25 +268,39 @@ class SpeculativeEngine:
         if toks.min() < 0 or toks.max() >= self.target.n_vocab:
             raise ValueError(f"prompt token ids must lie in [0, {self.target.n_vocab})")
         if toks.size >= self.target.n_ctx_seq:
-            raise ValueError(f"the prompt has {toks.size} tokens; a sequence holds {self.target.n_ctx_seq} "
-                             "positions, which leaves no room to generate")
+            raise ValueError(
+                f"the prompt has {toks.size} tokens; a sequence holds {self.target.n_ctx_seq} "
+                "positions, which leaves no room to generate"
+            )
         rid = request_id or f"req-{next(_ids)}"
         with self._cv:
             if not self._accepting:
                 raise EngineClosedError(f"{self.name} is shut down")
             free = sum(a is None or a.handle.done for a in self._slots)  # a cancelled one is freed next round
             if len(self._waiting) >= free + self.max_queue:
-                raise QueueFullError(f"{self.name}: {self.parallel} requests active and {len(self._waiting)} waiting "
-                                     f"(max_queue={self.max_queue})")
+                raise QueueFullError(
+                    f"{self.name}: {self.parallel} requests active and {len(self._waiting)} waiting "
+                    f"(max_queue={self.max_queue})"
+                )
             handle = RequestHandle(rid, int(toks.size), params, self._on_cancel)
             self._waiting.append((handle, toks))
             self._cv.notify_all()
-        log.debug("%s: %s queued (%d prompt tokens, max_tokens %d, temperature %g)", self.name, rid, toks.size,
-                  params.max_tokens, params.temperature)
+        log.debug(
+            "%s: %s queued (%d prompt tokens, max_tokens %d, temperature %g)",
+            self.name,
+            rid,
+            toks.size,
+            params.max_tokens,
+            params.temperature,
+        )
         return handle
 
-    def generate(self, prompt_tokens: Sequence[int] | np.ndarray, params: RequestParams | None = None,
-                 timeout: float | None = None) -> RequestResult:
+    def generate(
+        self,
+        prompt_tokens: Sequence[int] | np.ndarray,
+        params: RequestParams | None = None,
+        timeout: float | None = None,
+    ) -> RequestResult:
         """submit() and wait for the result."""
         return self.submit(prompt_tokens, params).result(timeout)
 
@@ -276,9 +329,13 @@ class SpeculativeEngine:
             self._cv.notify_all()
             clean = self._cv.wait_for(
                 lambda: not self._waiting and all(a is None for a in self._slots) or not self._thread.is_alive(),
-                None if deadline is None else max(0.0, deadline - time.monotonic()))
-            left = [h for h in [h for h, _ in self._waiting] + [a.handle for a in self._slots if a is not None]
-                    if not h.done]
+                None if deadline is None else max(0.0, deadline - time.monotonic()),
+            )
+            left = [
+                h
+                for h in [h for h, _ in self._waiting] + [a.handle for a in self._slots if a is not None]
+                if not h.done
+            ]
         for h in left:
             h.cancel()
         with self._cv:
@@ -291,7 +348,7 @@ class SpeculativeEngine:
         """shutdown(0): cancel everything now."""
         self.shutdown(0.0)
 
-    def __enter__(self) -> "SpeculativeEngine":
+    def __enter__(self) -> SpeculativeEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -384,20 +441,26 @@ class SpeculativeEngine:
             handle, toks = self._waiting.popleft()
             if handle.done:
                 continue
-            slot, keep = self._pick_slot_locked(toks)
+            speculative = self._starts_speculative()
+            slot, keep = self._pick_slot_locked(toks, speculative)
             p = handle.params
-            a = _Active(handle, toks, slot, np.random.default_rng(p.seed), frozenset(int(t) for t in p.stop_token_ids))
-            a.speculative = self._starts_speculative()
+            # a request's draws (its drafts' and the target's) come from its own generator: a seeded
+            # request gives the same tokens whatever else runs; unseeded ones follow the engine's seed
+            rng = np.random.default_rng(p.seed if p.seed is not None else int(self._rng.integers(2**63)))
+            a = _Active(handle, toks, slot, rng, frozenset(int(t) for t in p.stop_token_ids))
+            a.speculative = speculative
             self._start_on_slot(a, keep)
             self._slots[slot] = a
             handle.stats.started_at = time.perf_counter()
             handle.stats.lane = slot
             log.debug("%s: %s joins on sequence/lane %d", self.name, handle.id, slot)
 
-    def _pick_slot_locked(self, prompt: np.ndarray) -> tuple[int, int]:
+    def _pick_slot_locked(self, prompt: np.ndarray, speculative: bool) -> tuple[int, int]:
         """The free slot for `prompt` and the positions it keeps: the longest common prefix with
         what a free slot holds (at most all but the prompt's last token, whose logits are needed),
-        the lowest free slot on a tie (lower lanes keep the drafter's graph small)."""
+        the lowest free slot on a tie (lower lanes keep the drafter's graph small). A speculative
+        request keeps a prefix only where the slot's lane holds its features too (a slot a plain
+        request left holds none): another slot that does saves it the prefill."""
         best, keep = -1, 0
         for slot, a in enumerate(self._slots):
             if a is not None:
@@ -408,6 +471,8 @@ class SpeculativeEngine:
                 m = min(held.size, prompt.size - 1)
                 diff = np.nonzero(held[:m] != prompt[:m])[0]
                 n = int(diff[0]) if diff.size else m
+                if n and speculative and not self.drafter.can_rewind(n, lane=slot):
+                    n = 0
             if best < 0 or n > keep:
                 best, keep = slot, n
         return best, keep
@@ -430,8 +495,13 @@ class SpeculativeEngine:
         a.handle.stats.stopped_speculating_at = a.handle.stats.rounds
         if self.drafter is not None:
             self.drafter.reset(a.slot)
-        log.debug("%s: %s stops speculating: drafted in %d of %d rounds", self.name, a.handle.id,
-                  a.drafting_rounds, a.handle.stats.rounds)
+        log.debug(
+            "%s: %s stops speculating: drafted in %d of %d rounds",
+            self.name,
+            a.handle.id,
+            a.drafting_rounds,
+            a.handle.stats.rounds,
+        )
 
     def _start_on_slot(self, a: _Active, keep: int) -> None:
         """Empty the slot's sequence and lane past `keep` positions (their tokens equal the prompt's)."""
@@ -494,12 +564,30 @@ class SpeculativeEngine:
 
     def _log_done(self, a: _Active) -> None:
         st = a.handle.stats
-        mode = "plain" if not st.speculative else \
-            "speculative" if st.stopped_speculating_at is None else f"speculative until round {st.stopped_speculating_at}"
-        log.info("%s: %s %s: %d tokens (%d prompt, %d cached), %d rounds, %.2f tokens/round, draft lengths %s, %s, "
-                 "%.3f s (queued %.3f s, %.1f tokens/s)", self.name, a.handle.id, a.handle.finish_reason, st.n_tokens,
-                 st.prompt_tokens, st.cached_tokens, st.rounds, st.tokens_per_round,
-                 dict(sorted(Counter(st.draft_lengths).items())), mode, st.total_s, st.queue_s, st.tokens_per_s)
+        mode = (
+            "plain"
+            if not st.speculative
+            else "speculative"
+            if st.stopped_speculating_at is None
+            else f"speculative until round {st.stopped_speculating_at}"
+        )
+        log.info(
+            "%s: %s %s: %d tokens (%d prompt, %d cached), %d rounds, %.2f tokens/round, draft lengths %s, %s, "
+            "%.3f s (queued %.3f s, %.1f tokens/s)",
+            self.name,
+            a.handle.id,
+            a.handle.finish_reason,
+            st.n_tokens,
+            st.prompt_tokens,
+            st.cached_tokens,
+            st.rounds,
+            st.tokens_per_round,
+            dict(sorted(Counter(st.draft_lengths).items())),
+            mode,
+            st.total_s,
+            st.queue_s,
+            st.tokens_per_s,
+        )
 
     # --- a round ---------------------------------------------------------------------------
 
@@ -532,7 +620,7 @@ class SpeculativeEngine:
                 break
             n = min(a.prompt.size - a.prefilled, budget)
             done = a.prefilled + n == a.prompt.size
-            blocks.append((a.slot, a.prompt[a.prefilled:a.prefilled + n], "last" if done else "none"))
+            blocks.append((a.slot, a.prompt[a.prefilled : a.prefilled + n], "last" if done else "none"))
             owners.append((a, n, done))
             budget -= n
         t0 = time.perf_counter()
@@ -543,7 +631,7 @@ class SpeculativeEngine:
         for (a, n, done), r in zip(owners, rows):
             if a.speculative:
                 self.drafter.add_features(self.target.features(r), lane=a.slot)
-            a.in_kv.extend(int(t) for t in a.prompt[a.prefilled:a.prefilled + n])
+            a.in_kv.extend(int(t) for t in a.prompt[a.prefilled : a.prefilled + n])
             a.prefilled += n
             if done:
                 row = r.logits[-1]
@@ -571,11 +659,15 @@ class SpeculativeEngine:
             if not a.speculative:
                 k_max = 0
             reqs.append(PolicyRequest(a.est.rate(prior, 4.0), k_max, a.slot, a.idle_rounds, a.probes))
-        ks = self.policy.choose(reqs, self.cost_model, self.drafter.lanes, self.max_rows)  # type: ignore[arg-type]
-        if len(ks) != len(dec) or any(not is_int(k) or not 0 <= k <= r.k_max for k, r in zip(ks, reqs)) \
-                or len(dec) + sum(ks) > self.max_rows:
-            raise EngineError(f"the policy chose draft lengths {ks} for limits {[r.k_max for r in reqs]} "
-                              f"and {self.max_rows} rows")
+        ks = self.policy.choose(reqs, self.cost_model, self.drafter.lanes, self.max_rows)
+        if (
+            len(ks) != len(dec)
+            or any(not is_int(k) or not 0 <= k <= r.k_max for k, r in zip(ks, reqs))
+            or len(dec) + sum(ks) > self.max_rows
+        ):
+            raise EngineError(
+                f"the policy chose draft lengths {ks} for limits {[r.k_max for r in reqs]} and {self.max_rows} rows"
+            )
         return [int(k) for k in ks]
 
     def _draft(self, dec: list[_Active], ks: list[int]) -> tuple[float, list[np.ndarray], list[np.ndarray | None]]:
@@ -587,12 +679,14 @@ class SpeculativeEngine:
         lanes = self.drafter.lanes
         tokens: list[int | None] = [None] * lanes
         temp, top_k, top_p = [0.0] * lanes, [0] * lanes, [1.0] * lanes
+        rngs: list[np.random.Generator | None] = [None] * lanes
         for a, k in zip(dec, ks):
             if k > 0:
                 tokens[a.slot] = a.last
                 temp[a.slot], top_k[a.slot], top_p[a.slot] = a.params.temperature, a.params.top_k, a.params.top_p
+                rngs[a.slot] = a.rng
         t0 = time.perf_counter()
-        out = self.drafter.propose_lanes(tokens, temperature=temp, top_k=top_k, top_p=top_p, rng=self._rng)
+        out = self.drafter.propose_lanes(tokens, temperature=temp, top_k=top_k, top_p=top_p, rng=rngs)
         dt = time.perf_counter() - t0
         self.stats.draft_steps += 1
         self.stats.draft_s += dt
@@ -611,8 +705,9 @@ class SpeculativeEngine:
             ks[i] = int(drafts[i].size)
         return dt, drafts, probs
 
-    def _verify(self, dec: list[_Active], ks: list[int], drafts: list[np.ndarray],
-                probs: list[np.ndarray | None]) -> float:
+    def _verify(
+        self, dec: list[_Active], ks: list[int], drafts: list[np.ndarray], probs: list[np.ndarray | None]
+    ) -> float:
         target = self.target
         blocks = [(a.slot, np.append(np.int64(a.last), d), "all") for a, d in zip(dec, drafts)]
         n_rows = sum(1 + d.size for d in drafts)
@@ -632,7 +727,7 @@ class SpeculativeEngine:
                 pt = target.target_probs(seg, p.temperature, p.top_k, p.top_p)
                 n_acc, out = target.accept_sampled(d, q if q is not None else np.zeros((0, seg.shape[1])), pt, a.rng)
             if a.speculative:
-                self.drafter.add_features(target.features(r)[:n_acc + 1], lane=a.slot)
+                self.drafter.add_features(target.features(r)[: n_acc + 1], lane=a.slot)
             target.truncate(a.slot, r.pos + n_acc + 1)
             a.in_kv.append(a.last)
             a.in_kv.extend(int(t) for t in d[:n_acc])
@@ -644,8 +739,11 @@ class SpeculativeEngine:
                 a.idle_rounds = 0
             else:
                 a.idle_rounds += 1
-                if a.speculative and 0 < self.give_up_rounds <= a.handle.stats.rounds + 1 and \
-                        a.drafting_rounds < DRAFT_SHARE * (a.handle.stats.rounds + 1):
+                if (
+                    a.speculative
+                    and 0 < self.give_up_rounds <= a.handle.stats.rounds + 1
+                    and a.drafting_rounds < DRAFT_SHARE * (a.handle.stats.rounds + 1)
+                ):
                     self._stop_speculating(a)
             st = a.handle.stats
             st.draft_lengths.append(k)

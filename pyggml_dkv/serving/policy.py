@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 from ..drafter.step_graph import lane_counts
 
@@ -55,8 +56,14 @@ class CostModel:
     comparison between drafting (rows that are rarely observed) and not drafting (rows observed
     every round) stays fair, while a curve whose shape was mismeasured still converges."""
 
-    def __init__(self, verify_points: Mapping[int, float], draft_points: Mapping[int, float] | None = None,
-                 *, host_s: float = 0.0, alpha: float = 0.2) -> None:
+    def __init__(
+        self,
+        verify_points: Mapping[int, float],
+        draft_points: Mapping[int, float] | None = None,
+        *,
+        host_s: float = 0.0,
+        alpha: float = 0.2,
+    ) -> None:
         if not verify_points:
             raise ValueError("verify_points needs at least one (rows, seconds) point")
         pts = sorted((int(r), float(s)) for r, s in verify_points.items())
@@ -128,8 +135,12 @@ class CostModel:
 
     def snapshot(self) -> dict[str, object]:
         """The current predictions at the anchors (scale included)."""
-        return {"verify_s": {r: self.verify_s(r) for r in self._rows},
-                "draft_s": {g: self.draft_s(g) for g in self._draft}, "host_s": self.host_s, "scale": self.scale}
+        return {
+            "verify_s": {r: self.verify_s(r) for r in self._rows},
+            "draft_s": {g: self.draft_s(g) for g in self._draft},
+            "host_s": self.host_s,
+            "scale": self.scale,
+        }
 
 
 class AcceptanceEstimate:
@@ -166,14 +177,17 @@ class PolicyRequest:
 class DraftPolicy(Protocol):
     needs_costs: bool  # whether the engine must measure costs (calibrate) for it
 
-    def choose(self, requests: Sequence[PolicyRequest], costs: CostModel, lanes: int, max_rows: int) -> list[int]:
-        """One draft length per request, 0 <= k <= k_max, with len(requests) + sum(k) <= max_rows."""
+    def choose(
+        self, requests: Sequence[PolicyRequest], costs: CostModel | None, lanes: int, max_rows: int
+    ) -> list[int]:
+        """One draft length per request, 0 <= k <= k_max, with len(requests) + sum(k) <= max_rows.
+        `costs` is None unless the policy needs_costs (or the engine was handed a CostModel)."""
         ...
 
 
 def expected_tokens(a: float, k: int) -> float:
     """E(k) = 1 + a + ... + a^k."""
-    return float(sum(a ** j for j in range(k + 1)))
+    return float(sum(a**j for j in range(k + 1)))
 
 
 def round_cost(costs: CostModel, ks: Sequence[int], lanes_of: Sequence[int], lanes: int) -> float:
@@ -192,10 +206,14 @@ class SpeedPolicy:
         self.probe_every = int(probe_every)
         self._drafting_streak = 0  # rounds in a row in which someone drafted
 
-    def choose(self, requests: Sequence[PolicyRequest], costs: CostModel, lanes: int, max_rows: int) -> list[int]:
+    def choose(
+        self, requests: Sequence[PolicyRequest], costs: CostModel | None, lanes: int, max_rows: int
+    ) -> list[int]:
         n = len(requests)
         if n == 0:
             return []
+        if costs is None:
+            raise ValueError("SpeedPolicy needs a CostModel (needs_costs: the engine measures one)")
         lanes_of = [r.lane for r in requests]
         forced = [0] * n
         for i, r in enumerate(requests):  # probes: one draft for a request that has not drafted for long
@@ -215,8 +233,9 @@ class SpeedPolicy:
             speed = benefit / round_cost(costs, ks, lanes_of, lanes)
             if speed > best:
                 best_ks, best = list(ks), speed
-            heap = [(-(r.accept_rate ** (ks[i] + 1)), i) for i, r in enumerate(requests)
-                    if r.lane < g and ks[i] < r.k_max]
+            heap = [
+                (-(r.accept_rate ** (ks[i] + 1)), i) for i, r in enumerate(requests) if r.lane < g and ks[i] < r.k_max
+            ]
             heapq.heapify(heap)
             while heap and rows < max_rows:
                 gain, i = heapq.heappop(heap)
@@ -250,7 +269,9 @@ class FixedPolicy:
             raise ValueError(f"k must be >= 0, got {k}")
         self.k = int(k)
 
-    def choose(self, requests: Sequence[PolicyRequest], costs: CostModel, lanes: int, max_rows: int) -> list[int]:
+    def choose(
+        self, requests: Sequence[PolicyRequest], costs: CostModel | None, lanes: int, max_rows: int
+    ) -> list[int]:
         left = max_rows - len(requests)
         out = []
         for r in requests:

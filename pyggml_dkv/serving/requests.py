@@ -13,8 +13,9 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -121,12 +122,19 @@ class RequestStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "speculative": self.speculative,
-            "stopped_speculating_at": self.stopped_speculating_at, "n_tokens": self.n_tokens, "rounds": self.rounds,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "speculative": self.speculative,
+            "stopped_speculating_at": self.stopped_speculating_at,
+            "n_tokens": self.n_tokens,
+            "rounds": self.rounds,
             "lane": self.lane,
-            "tokens_per_round": self.tokens_per_round, "mean_draft_length": self.mean_draft_length,
+            "tokens_per_round": self.tokens_per_round,
+            "mean_draft_length": self.mean_draft_length,
             "draft_length_histogram": dict(sorted(Counter(self.draft_lengths).items())),
-            "queue_s": self.queue_s, "total_s": self.total_s, "tokens_per_s": self.tokens_per_s,
+            "queue_s": self.queue_s,
+            "total_s": self.total_s,
+            "tokens_per_s": self.tokens_per_s,
         }
 
 
@@ -146,8 +154,9 @@ _END = object()
 class RequestHandle:
     """The client's side of a request: iterate for token ids, `result()`, `cancel()`."""
 
-    def __init__(self, request_id: str, prompt_tokens: int, params: RequestParams,
-                 on_cancel: Callable[["RequestHandle"], None]) -> None:
+    def __init__(
+        self, request_id: str, prompt_tokens: int, params: RequestParams, on_cancel: Callable[[RequestHandle], None]
+    ) -> None:
         self.id = request_id
         self.params = params
         self.stats = RequestStats(prompt_tokens=prompt_tokens, submitted_at=time.perf_counter())
@@ -229,8 +238,12 @@ class RequestHandle:
         if self.error is not None:
             raise EngineError(f"request {self.id} failed: {self.error!r}") from self.error
         with self._lock:
-            return RequestResult(np.array(self._tokens, dtype=np.int64), self.finish_reason or "error", self.stats,
-                                 np.array(self._gaps, dtype=np.float32))
+            return RequestResult(
+                np.array(self._tokens, dtype=np.int64),
+                self.finish_reason or "error",
+                self.stats,
+                np.array(self._gaps, dtype=np.float32),
+            )
 
     def cancel(self) -> bool:
         """End the request now (finish_reason "cancelled"); False when it had already ended."""

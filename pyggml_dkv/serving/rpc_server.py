@@ -54,7 +54,9 @@ def _check_args(host: str, port: int, threads: int, device: str) -> ipaddress.IP
     try:
         address = ipaddress.IPv4Address(host)
     except ValueError:
-        raise ValueError(f"--host must be a dotted IPv4 address (ggml's server binds IPv4 only), got {host!r}") from None
+        raise ValueError(
+            f"--host must be a dotted IPv4 address (ggml's server binds IPv4 only), got {host!r}"
+        ) from None
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {port!r}")
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
@@ -69,9 +71,12 @@ def _set_wait_policy() -> None:
     current = os.environ.get("OMP_WAIT_POLICY")
     if "pyggml_dkv._ggml_cffi" in sys.modules:
         if (current or "").upper() != WAIT_POLICY:
-            log.warning("ggml was loaded before the RPC server started, with OMP_WAIT_POLICY=%s: its threads may spin "
-                        "between requests and slow a busy machine; start the server with "
-                        "`python -m pyggml_dkv.serving.rpc_server` instead", current or "(libgomp default)")
+            log.warning(
+                "ggml was loaded before the RPC server started, with OMP_WAIT_POLICY=%s: its threads may spin "
+                "between requests and slow a busy machine; start the server with "
+                "`python -m pyggml_dkv.serving.rpc_server` instead",
+                current or "(libgomp default)",
+            )
         return
     if current is None:
         os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY  # putenv: libgomp reads it when ggml is loaded
@@ -91,7 +96,9 @@ def _device(spec: str) -> Any:
             dev = lib.ggml_backend_dev_by_name(b"CPU")
     else:
         if "cuda" not in built_backends():
-            raise BackendUnavailableError(f"--device {spec}: this ggml build has no CUDA backend (GGML_CUDA=1 ./build_ggml.sh)")
+            raise BackendUnavailableError(
+                f"--device {spec}: this ggml build has no CUDA backend (GGML_CUDA=1 ./build_ggml.sh)"
+            )
         dev = lib.ggml_backend_dev_by_name(f"CUDA{int(spec[5:])}".encode())
     if dev == ffi.NULL:
         raise BackendUnavailableError(f"--device {spec}: no such device on this machine")
@@ -102,15 +109,21 @@ def _warn_if_exposed(address: ipaddress.IPv4Address, port: int) -> None:
     if address.is_loopback:
         return
     banner = "!" * 78
-    log.warning("\n%s\n! RPC server bound to %s:%d, beyond loopback.\n"
-                "! ggml's RPC protocol has NO authentication and NO encryption: anyone who can reach\n"
-                "! this port can use this machine's memory and device and read or change the connected\n"
-                "! client's tensors. Use it only on a trusted network (or bind 127.0.0.1 + an SSH tunnel).\n%s",
-                banner, address, port, banner)
+    log.warning(
+        "\n%s\n! RPC server bound to %s:%d, beyond loopback.\n"
+        "! ggml's RPC protocol has NO authentication and NO encryption: anyone who can reach\n"
+        "! this port can use this machine's memory and device and read or change the connected\n"
+        "! client's tensors. Use it only on a trusted network (or bind 127.0.0.1 + an SSH tunnel).\n%s",
+        banner,
+        address,
+        port,
+        banner,
+    )
 
 
-def serve(host: str = "127.0.0.1", port: int = 50052, threads: int = 1, device: str = "cpu",
-          cache_dir: str | None = None) -> None:
+def serve(
+    host: str = "127.0.0.1", port: int = 50052, threads: int = 1, device: str = "cpu", cache_dir: str | None = None
+) -> None:
     """Run ggml's RPC server in this process until SIGTERM or SIGINT, then exit the process.
 
     Must be called from the main thread (signal handlers). Never returns normally: the process
@@ -122,7 +135,9 @@ def serve(host: str = "127.0.0.1", port: int = 50052, threads: int = 1, device: 
     from ..ggml._lowlevel import ffi, lib
 
     if not hasattr(lib, "ggml_backend_rpc_start_server"):
-        raise RpcServerError("this ggml build has no RPC backend; rebuild with GGML_RPC=1 ./build_ggml.sh and reinstall")
+        raise RpcServerError(
+            "this ggml build has no RPC backend; rebuild with GGML_RPC=1 ./build_ggml.sh and reinstall"
+        )
     dev = _device(device)
     _warn_if_exposed(address, port)
 
@@ -144,8 +159,14 @@ def serve(host: str = "127.0.0.1", port: int = 50052, threads: int = 1, device: 
         lib.ggml_backend_rpc_start_server(endpoint, cache, threads, 1, devices)
         stop.set()
 
-    log.info("RPC server on %s:%d, device %s, %d thread(s), OMP_WAIT_POLICY=%s", address, port, device, threads,
-             os.environ.get("OMP_WAIT_POLICY", "(libgomp default)"))
+    log.info(
+        "RPC server on %s:%d, device %s, %d thread(s), OMP_WAIT_POLICY=%s",
+        address,
+        port,
+        device,
+        threads,
+        os.environ.get("OMP_WAIT_POLICY", "(libgomp default)"),
+    )
     thread = threading.Thread(target=run, name="ggml-rpc-server", daemon=True)
     thread.start()
     while not stop.wait(0.5):
@@ -166,12 +187,30 @@ class RpcServerProcess:
     """An RPC server in a child process (`python -m pyggml_dkv.serving.rpc_server`), ready when
     the constructor returns: it has answered a protocol handshake. stop() sends SIGTERM."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1", threads: int = 1, device: str = "cpu",
-                 ready_timeout_s: float = 30.0, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        host: str = "127.0.0.1",
+        threads: int = 1,
+        device: str = "cpu",
+        ready_timeout_s: float = 30.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         _check_args(host, port, threads, device)
         self.host, self.port = host, port
-        cmd = [sys.executable, "-m", "pyggml_dkv.serving.rpc_server", "--host", host, "--port", str(port),
-               "--threads", str(threads), "--device", device]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pyggml_dkv.serving.rpc_server",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--threads",
+            str(threads),
+            "--device",
+            device,
+        ]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._output: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -196,8 +235,7 @@ class RpcServerProcess:
             self._output.append(line)
 
     def _wait_ready(self, timeout_s: float) -> None:
-        from ..ggml import BackendUnavailableError
-        from ..ggml import rpc
+        from ..ggml import BackendUnavailableError, rpc
 
         endpoint = rpc.Endpoint(self.host, self.host, self.port)
         deadline = time.monotonic() + timeout_s
@@ -209,7 +247,9 @@ class RpcServerProcess:
                 return
             except BackendUnavailableError:
                 if time.monotonic() > deadline:
-                    raise RpcServerError(f"the RPC server did not answer on {endpoint} within {timeout_s:g} s:\n{self.output}") from None
+                    raise RpcServerError(
+                        f"the RPC server did not answer on {endpoint} within {timeout_s:g} s:\n{self.output}"
+                    ) from None
                 time.sleep(0.05)
 
     def suspend(self, timeout_s: float = 5.0) -> None:
@@ -220,8 +260,10 @@ class RpcServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RpcServerError(f"the RPC server (pid {self.proc.pid}) has exited "
-                                     f"(code {self.proc.returncode}); it cannot be suspended")
+                raise RpcServerError(
+                    f"the RPC server (pid {self.proc.pid}) has exited "
+                    f"(code {self.proc.returncode}); it cannot be suspended"
+                )
             try:
                 with open(f"/proc/{self.proc.pid}/stat") as f:  # "pid (comm) state ...": the state follows the last ")"
                     if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
@@ -251,7 +293,7 @@ class RpcServerProcess:
             self.kill()
             raise RpcServerError(f"the RPC server ignored SIGTERM for {timeout_s:g} s; killed") from None
 
-    def __enter__(self) -> "RpcServerProcess":
+    def __enter__(self) -> RpcServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -265,23 +307,34 @@ def _reexec_with_wait_policy(argv: list[str]) -> None:
     if "OMP_WAIT_POLICY" in os.environ:
         return
     env = dict(os.environ, OMP_WAIT_POLICY=WAIT_POLICY)
-    os.execve(sys.executable, [sys.executable, "-m", __spec__.name if __spec__ else "pyggml_dkv.serving.rpc_server",
-                               *argv], env)
+    os.execve(
+        sys.executable,
+        [sys.executable, "-m", __spec__.name if __spec__ else "pyggml_dkv.serving.rpc_server", *argv],
+        env,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
         _reexec_with_wait_policy(argv)
-    parser = argparse.ArgumentParser(prog="python -m pyggml_dkv.serving.rpc_server",
-                                     description="Serve this machine's CPU or GPU to pyggml_dkv clients over ggml RPC "
-                                                 "(no authentication, no encryption: trusted networks only).")
+    parser = argparse.ArgumentParser(
+        prog="python -m pyggml_dkv.serving.rpc_server",
+        description="Serve this machine's CPU or GPU to pyggml_dkv clients over ggml RPC "
+        "(no authentication, no encryption: trusted networks only).",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="IPv4 address to bind (default 127.0.0.1, loopback only)")
     parser.add_argument("--port", type=int, default=50052)
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                        help="CPU threads per graph compute (default: half the cores)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="CPU threads per graph compute (default: half the cores)",
+    )
     parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda:N'")
-    parser.add_argument("--cache-dir", default=None, help="ggml's local tensor cache for large weight uploads (off by default)")
+    parser.add_argument(
+        "--cache-dir", default=None, help="ggml's local tensor cache for large weight uploads (off by default)"
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")

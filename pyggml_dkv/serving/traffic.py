@@ -83,7 +83,7 @@ class CountingRelay:
                 pass
             s.close()
 
-    def __enter__(self) -> "CountingRelay":
+    def __enter__(self) -> CountingRelay:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,11 +15,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .data import DataRecipe, generate
     from .prompts import HELD_OUT_PROMPTS, training_prompts
 
-    recipe = DataRecipe(model=str(args.model or smollm2_gguf()), layer_ids=list(args.layers or SMOLLM2_LAYER_IDS),
-                        max_new_tokens=args.max_new_tokens, seed=args.seed, prompt_seed=args.prompt_seed,
-                        prompt_set="held-out" if args.held_out else "training")
+    recipe = DataRecipe(
+        model=str(args.model or smollm2_gguf()),
+        layer_ids=list(args.layers or SMOLLM2_LAYER_IDS),
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        prompt_seed=args.prompt_seed,
+        prompt_set="held-out" if args.held_out else "training",
+    )
     prompts = list(HELD_OUT_PROMPTS) if args.held_out else training_prompts(args.prompt_seed)
-    prompts = prompts[:args.prompts]
+    prompts = prompts[: args.prompts]
     counts = generate(args.out, prompts, recipe, kinds=args.kinds, minutes=args.minutes, n_threads=args.threads)
     logging.getLogger(__name__).info("generated %s", counts)
     return 0
@@ -28,14 +33,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from ..hosts.llama_cpp.drafters import SMOLLM2_LAYER_IDS, smollm2_draft_config
     from ..hosts.smollm2 import smollm2_gguf
-    from .train import TrainConfig, train
+    from .config import TrainConfig
+    from .train import train
 
-    draft = smollm2_draft_config(n_layer=args.layers, block_size=args.block_size, mask_token_id=args.mask_token,
-                                 target_layer_ids=list(SMOLLM2_LAYER_IDS)).to_dict()
-    cfg = TrainConfig(data=list(args.data), out=args.out, model=str(args.model or smollm2_gguf()), draft=draft,
-                      init_layers=list(args.init_layers or []), epochs=args.epochs, seqs_per_step=args.seqs_per_step,
-                      anchors_per_seq=args.anchors, lr=args.lr, gamma=args.gamma, seed=args.seed, threads=args.threads,
-                      eval_data=args.eval_data, scale_features=args.scale_features, save_every=args.save_every, warmup_steps=args.warmup)
+    draft = smollm2_draft_config(
+        n_layer=args.layers,
+        block_size=args.block_size,
+        mask_token_id=args.mask_token,
+        target_layer_ids=list(SMOLLM2_LAYER_IDS),
+    ).to_dict()
+    cfg = TrainConfig(
+        data=list(args.data),
+        out=args.out,
+        model=str(args.model or smollm2_gguf()),
+        draft=draft,
+        init_layers=list(args.init_layers or []),
+        epochs=args.epochs,
+        seqs_per_step=args.seqs_per_step,
+        anchors_per_seq=args.anchors,
+        lr=args.lr,
+        gamma=args.gamma,
+        seed=args.seed,
+        threads=args.threads,
+        eval_data=args.eval_data,
+        scale_features=args.scale_features,
+        save_every=args.save_every,
+        warmup_steps=args.warmup,
+    )
     record = train(cfg, max_steps=args.max_steps)
     logging.getLogger(__name__).info("last record: %s", record)
     return 0
@@ -54,8 +78,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     weights = read_weights(args.drafter)
     model = new_model(weights.cfg, 0)
     load_weights(model, weights)
-    result = offline_acceptance(model, frozen_from_gguf(str(args.model or smollm2_gguf())), load_corpus(args.data),
-                                args.sequences)
+    result = offline_acceptance(
+        model, frozen_from_gguf(str(args.model or smollm2_gguf())), load_corpus(args.data), args.sequences
+    )
     print(json.dumps(result))
     return 0
 
@@ -82,23 +107,44 @@ def cmd_pack(args: argparse.Namespace) -> int:
 def cmd_gpu_run(args: argparse.Namespace) -> int:
     import json
 
-    from .gpu_run import GpuRecipe, run
+    from .config import TrainConfig
+    from .gpu_run import run
 
     if args.draft:
         draft = json.loads(Path(args.draft).read_text())
     else:  # (hosts.smollm2 needs neither our ggml extension nor llama.cpp: GPU machines read it)
         from ..hosts.smollm2 import SMOLLM2_LAYER_IDS, smollm2_draft_config
 
-        draft = smollm2_draft_config(n_layer=args.layers[0], block_size=args.block_size, mask_token_id=args.mask_token,
-                                     target_layer_ids=list(SMOLLM2_LAYER_IDS)).to_dict()
-    recipe = GpuRecipe(pack=args.pack, model=args.model, out=args.out, draft=draft, layers=list(args.layers),
-                       minutes=args.minutes, data_share=args.data_share, self_prompts=args.self_prompts,
-                       template_prompts=args.template_prompts, held_out_prompts=args.held_out_prompts,
-                       prompt_batch=args.prompt_batch, answer_batch=args.answer_batch,
-                       max_new_tokens=args.max_new_tokens, seqs_per_step=args.seqs_per_step,
-                       anchors_per_seq=args.anchors, lr=args.lr, warmup_steps=args.warmup,
-                       save_minutes=args.save_minutes, seed=args.seed, device=args.device, tokens=args.tokens,
-                       init=args.init)
+        draft = smollm2_draft_config(
+            n_layer=args.layers[0],
+            block_size=args.block_size,
+            mask_token_id=args.mask_token,
+            target_layer_ids=list(SMOLLM2_LAYER_IDS),
+        ).to_dict()
+    recipe = TrainConfig(
+        pack=args.pack,
+        model=args.model,
+        out=args.out,
+        draft=draft,
+        layers=list(args.layers),
+        minutes=args.minutes,
+        data_share=args.data_share,
+        self_prompts=args.self_prompts,
+        template_prompts=args.template_prompts,
+        held_out_prompts=args.held_out_prompts,
+        prompt_batch=args.prompt_batch,
+        answer_batch=args.answer_batch,
+        max_new_tokens=args.max_new_tokens,
+        seqs_per_step=args.seqs_per_step,
+        anchors_per_seq=args.anchors,
+        lr=args.lr,
+        warmup_steps=args.warmup,
+        save_minutes=args.save_minutes,
+        seed=args.seed,
+        device=args.device,
+        tokens=args.tokens,
+        init=args.init,
+    )
     record = run(recipe)
     logging.getLogger(__name__).info("last record: %s", record)
     return 0
@@ -112,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--layers", type=int, nargs="+", default=None, help="target layer ids to capture")
     g.add_argument("--prompts", type=int, default=None, help="use the first N training prompts")
-    g.add_argument("--held-out", action="store_true", help="the held-out prompts (evaluation data), not the training ones")
+    g.add_argument(
+        "--held-out", action="store_true", help="the held-out prompts (evaluation data), not the training ones"
+    )
     g.add_argument("--kinds", nargs="+", default=["greedy", "warm"], choices=["greedy", "warm"])
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--minutes", type=float, default=None, help="stop after this long (resume later)")
@@ -128,23 +176,33 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
     t.add_argument("--block-size", type=int, default=8)
     t.add_argument("--mask-token", type=int, default=16, help="mask token id (SmolLM2: 16, <empty_output>)")
-    t.add_argument("--init-layers", type=int, nargs="+", default=None,
-                   help="initialise drafter layer i from target layer INIT_LAYERS[i] (default: random init)")
+    t.add_argument(
+        "--init-layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="initialise drafter layer i from target layer INIT_LAYERS[i] (default: random init)",
+    )
     t.add_argument("--epochs", type=float, default=1.0)
     t.add_argument("--seqs-per-step", type=int, default=8)
     t.add_argument("--anchors", type=int, default=48, help="anchors per sequence per step")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--gamma", type=float, default=4.0, help="loss weight exp(-(k-1)/gamma) of block row k")
-    t.add_argument("--scale-features", action="store_true",
-                   help="train fc as if each feature column were normalised (measured: no gain; docs/training.md)")
+    t.add_argument(
+        "--scale-features",
+        action="store_true",
+        help="train fc as if each feature column were normalised (measured: no gain; docs/training.md)",
+    )
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("evaluate", help="offline replay of greedy speculative decoding on held-out data")
-    e.add_argument("--drafter", required=True, help="dflash checkpoint directory, dflash .gguf or gpu-run parts (OUT/drafter-2l)")
+    e.add_argument(
+        "--drafter", required=True, help="dflash checkpoint directory, dflash .gguf or gpu-run parts (OUT/drafter-2l)"
+    )
     e.add_argument("--data", required=True, nargs="+")
     e.add_argument("--model", default=None)
     e.add_argument("--sequences", type=int, default=None)
@@ -184,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--device", default="cuda")
     r.add_argument("--tokens", default=None, help="train on an earlier run's tokens.npz instead of generating")
-    r.add_argument("--init", default=None, help="start the one drafter from weights (OUT/drafter-4l parts or a checkpoint)")
+    r.add_argument(
+        "--init", default=None, help="start the one drafter from weights (OUT/drafter-4l parts or a checkpoint)"
+    )
     r.set_defaults(func=cmd_gpu_run)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

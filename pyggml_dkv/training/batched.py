@@ -11,6 +11,7 @@ a batch computes what objective.sequence_loss computes for each of its sequences
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,11 +20,15 @@ from torch.nn import functional as F
 from .evaluate import replay_summary
 from .objective import anchor_range, simulated_rounds
 
+if TYPE_CHECKING:  # pragma: no cover
+    from dflash.model import DFlashDraftModel  # (no type information: Any to mypy)
+
 
 @dataclass
 class DeviceCorpus:
     """Sequences on the training device: tokens (N, L) int64, greedy (N, L) bool (the token is the
     target's argmax after its prefix), features (N, L, fc_in), lengths (N,), prompt_lengths (N,)."""
+
     tokens: torch.Tensor
     greedy: torch.Tensor
     features: torch.Tensor
@@ -35,35 +40,54 @@ class DeviceCorpus:
         return int(self.lengths.size)
 
     @classmethod
-    def allocate(cls, tokens: list[np.ndarray], prompt_lengths: list[int], fc_in: int, dtype: torch.dtype,
-                 device: torch.device | str) -> "DeviceCorpus":
+    def allocate(
+        cls,
+        tokens: list[np.ndarray],
+        prompt_lengths: list[int],
+        fc_in: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> DeviceCorpus:
         """The sequences' tokens in place, greedy flags and features zero until `fill`."""
         n, width = len(tokens), max(t.size for t in tokens)
         tok = torch.zeros((n, width), dtype=torch.long, device=device)
         for i, t in enumerate(tokens):
-            tok[i, :t.size] = torch.from_numpy(t.astype(np.int64))
-        return cls(tok, torch.zeros((n, width), dtype=torch.bool, device=device),
-                   torch.zeros((n, width, fc_in), dtype=dtype, device=device),
-                   np.array([t.size for t in tokens]), np.array(prompt_lengths))
+            tok[i, : t.size] = torch.from_numpy(t.astype(np.int64))
+        return cls(
+            tok,
+            torch.zeros((n, width), dtype=torch.bool, device=device),
+            torch.zeros((n, width, fc_in), dtype=dtype, device=device),
+            np.array([t.size for t in tokens]),
+            np.array(prompt_lengths),
+        )
 
     def fill(self, i: int, features: torch.Tensor, greedy: np.ndarray) -> None:
         n = int(self.lengths[i])
         if features.shape[0] != n or greedy.shape != (n,):
-            raise ValueError(f"sequence {i} has {n} tokens, got {features.shape[0]} feature rows / {greedy.shape} flags")
+            raise ValueError(
+                f"sequence {i} has {n} tokens, got {features.shape[0]} feature rows / {greedy.shape} flags"
+            )
         self.features[i, :n] = features.to(self.features.device, self.features.dtype)
         self.greedy[i, :n] = torch.from_numpy(np.asarray(greedy, bool)).to(self.greedy.device)
 
     @classmethod
-    def build(cls, tokens: list[np.ndarray], greedy: list[np.ndarray], features: list[torch.Tensor],
-              prompt_lengths: list[int], device: torch.device | str) -> "DeviceCorpus":
+    def build(
+        cls,
+        tokens: list[np.ndarray],
+        greedy: list[np.ndarray],
+        features: list[torch.Tensor],
+        prompt_lengths: list[int],
+        device: torch.device | str,
+    ) -> DeviceCorpus:
         c = cls.allocate(tokens, prompt_lengths, int(features[0].shape[1]), features[0].dtype, device)
         for i, (g, f) in enumerate(zip(greedy, features)):
             c.fill(i, f, g)
         return c
 
 
-def choose_anchors(corpus: DeviceCorpus, rows: np.ndarray, per_seq: int, rng: np.random.Generator
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def choose_anchors(
+    corpus: DeviceCorpus, rows: np.ndarray, per_seq: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """(anchors (S, A), real (S, A)) for the sequences `rows`: A random anchors of each sequence
     (sorted); a sequence with fewer repeats its last one, marked not real."""
     anchors = np.zeros((rows.size, per_seq), np.int64)
@@ -75,14 +99,15 @@ def choose_anchors(corpus: DeviceCorpus, rows: np.ndarray, per_seq: int, rng: np
         else:
             ok = True
         pick = np.sort(rng.choice(cand, per_seq, replace=False)) if cand.size > per_seq else cand
-        anchors[r, :pick.size] = pick
-        anchors[r, pick.size:] = pick[-1]
-        real[r, :pick.size] = ok
+        anchors[r, : pick.size] = pick
+        anchors[r, pick.size :] = pick[-1]
+        real[r, : pick.size] = ok
     return anchors, real
 
 
-def batch_hidden(model: torch.nn.Module, embed: torch.Tensor, corpus: DeviceCorpus, rows: np.ndarray,
-                 anchors: np.ndarray) -> torch.Tensor:
+def batch_hidden(
+    model: DFlashDraftModel, embed: torch.Tensor, corpus: DeviceCorpus, rows: np.ndarray, anchors: np.ndarray
+) -> torch.Tensor:
     """The drafter's final hidden states (S, A, B, hidden) at every anchor's block."""
     dev = corpus.tokens.device
     block, mask_token = int(model.block_size), int(model.mask_token_id)
@@ -105,8 +130,9 @@ def batch_hidden(model: torch.nn.Module, embed: torch.Tensor, corpus: DeviceCorp
     return out.view(s, a, block, -1)
 
 
-def batch_labels(corpus: DeviceCorpus, rows: np.ndarray, anchors: np.ndarray, real: np.ndarray, block: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_labels(
+    corpus: DeviceCorpus, rows: np.ndarray, anchors: np.ndarray, real: np.ndarray, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """labels (S, A, B-1) = x_{p+k} and valid: inside the sequence, x_{p+1..p+k} all greedy, real anchor."""
     dev = corpus.tokens.device
     at = torch.from_numpy(anchors).to(dev)[:, :, None] + torch.arange(1, block, device=dev)
@@ -120,8 +146,16 @@ def batch_labels(corpus: DeviceCorpus, rows: np.ndarray, anchors: np.ndarray, re
     return labels, valid
 
 
-def batch_loss(model: torch.nn.Module, embed: torch.Tensor, lm_head: torch.Tensor, corpus: DeviceCorpus,
-               rows: np.ndarray, anchors: np.ndarray, real: np.ndarray, gamma: float) -> tuple[torch.Tensor, dict]:
+def batch_loss(
+    model: DFlashDraftModel,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    corpus: DeviceCorpus,
+    rows: np.ndarray,
+    anchors: np.ndarray,
+    real: np.ndarray,
+    gamma: float,
+) -> tuple[torch.Tensor, dict]:
     """objective.sequence_loss over the whole batch: sum of weighted CE / sum of weights."""
     block = int(model.block_size)
     labels, valid = batch_labels(corpus, rows, anchors, real, block)
@@ -134,12 +168,17 @@ def batch_loss(model: torch.nn.Module, embed: torch.Tensor, lm_head: torch.Tenso
     loss = (ce * w).sum() / total.clamp_min(1e-9)
     with torch.no_grad():
         correct = (logits.argmax(-1).view(labels.shape) == labels) & valid
-    return loss, {"weight": float(total), "correct": correct[:, :, 0].sum().item(), "valid": valid[:, :, 0].sum().item()}
+    return loss, {
+        "weight": float(total),
+        "correct": correct[:, :, 0].sum().item(),
+        "valid": valid[:, :, 0].sum().item(),
+    }
 
 
 @torch.no_grad()
-def batch_acceptance(model: torch.nn.Module, embed: torch.Tensor, lm_head: torch.Tensor, corpus: DeviceCorpus,
-                     seqs_per_batch: int = 8) -> dict:
+def batch_acceptance(
+    model: DFlashDraftModel, embed: torch.Tensor, lm_head: torch.Tensor, corpus: DeviceCorpus, seqs_per_batch: int = 8
+) -> dict:
     """evaluate.offline_acceptance on a DeviceCorpus: every anchor of every sequence, replayed."""
     was_training = model.training
     model.eval()
@@ -161,7 +200,7 @@ def batch_acceptance(model: torch.nn.Module, embed: torch.Tensor, lm_head: torch
         drafts = (hidden.to(lm_head.dtype) @ lm_head.T).float().argmax(-1)
         accepted = torch.cumprod(((drafts == labels) & valid).long(), dim=2).sum(2).cpu().numpy()
         for r, (i, rng_) in enumerate(zip(rows, ranges)):
-            acc = accepted[r, :rng_.size]
+            acc = accepted[r, : rng_.size]
             every.append(acc + 1)
             rounds += simulated_rounds(acc, rng_, int(corpus.lengths[i]))
     model.train(was_training)

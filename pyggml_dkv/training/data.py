@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -50,6 +50,7 @@ class DataRecipe:
 @dataclass
 class GeneratedSequence:
     """One generated sequence: prompt + continuation, features of every token."""
+
     prompt_index: int
     kind: str
     tokens: np.ndarray  # (n,) int32
@@ -58,8 +59,16 @@ class GeneratedSequence:
     prompt_length: int
 
 
-def generate_sequence(target, prompt_tokens: np.ndarray, max_new: int, kind: str, rng: np.random.Generator,
-                      warm_tokens: int, warm_temperature: float, prompt_index: int) -> GeneratedSequence:
+def generate_sequence(
+    target,
+    prompt_tokens: np.ndarray,
+    max_new: int,
+    kind: str,
+    rng: np.random.Generator,
+    warm_tokens: int,
+    warm_temperature: float,
+    prompt_index: int,
+) -> GeneratedSequence:
     """Prefill `prompt_tokens`, decode a continuation of up to `max_new` tokens (ends after the
     first end-of-generation token, which is kept and decoded so that it has features too)."""
     cap = target.capture
@@ -83,20 +92,31 @@ def generate_sequence(target, prompt_tokens: np.ndarray, max_new: int, kind: str
         feats.append(np.array(cap.features(1)))
         if target.is_eog(token):
             break
-    return GeneratedSequence(prompt_index, kind, np.array(tokens, np.int32), np.concatenate(feats),
-                     np.array(greedy, bool), int(prompt_tokens.size))
+    return GeneratedSequence(
+        prompt_index,
+        kind,
+        np.array(tokens, np.int32),
+        np.concatenate(feats),
+        np.array(greedy, bool),
+        int(prompt_tokens.size),
+    )
 
 
 def write_shard(path: Path, seqs: Sequence[GeneratedSequence]) -> None:
     lengths = np.array([s.tokens.size for s in seqs], np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, tokens=np.concatenate([s.tokens for s in seqs]),
-             features=np.concatenate([s.features for s in seqs]),
-             greedy=np.concatenate([s.greedy for s in seqs]), starts=starts, lengths=lengths,
-             prompt_lengths=np.array([s.prompt_length for s in seqs], np.int64),
-             prompt_index=np.array([s.prompt_index for s in seqs], np.int64),
-             kind=np.array([KINDS.index(s.kind) for s in seqs], np.int8))
+    np.savez(
+        tmp,
+        tokens=np.concatenate([s.tokens for s in seqs]),
+        features=np.concatenate([s.features for s in seqs]),
+        greedy=np.concatenate([s.greedy for s in seqs]),
+        starts=starts,
+        lengths=lengths,
+        prompt_lengths=np.array([s.prompt_length for s in seqs], np.int64),
+        prompt_index=np.array([s.prompt_index for s in seqs], np.int64),
+        kind=np.array([KINDS.index(s.kind) for s in seqs], np.int8),
+    )
     tmp.rename(path)
 
 
@@ -112,8 +132,16 @@ def done_jobs(data_dir: Path) -> set[tuple[int, str]]:
     return done
 
 
-def generate(data_dir: str | Path, prompts: Sequence[str], recipe: DataRecipe, *, kinds: Sequence[str] = KINDS,
-             minutes: float | None = None, n_threads: int = 2, on_progress=None) -> dict:
+def generate(
+    data_dir: str | Path,
+    prompts: Sequence[str],
+    recipe: DataRecipe,
+    *,
+    kinds: Sequence[str] = KINDS,
+    minutes: float | None = None,
+    n_threads: int = 2,
+    on_progress=None,
+) -> dict:
     """Generate (or continue generating) the data set into `data_dir`; stop after `minutes`.
 
     Jobs run kind by kind (every prompt greedy first, then every prompt warm). One process per
@@ -137,8 +165,9 @@ def generate(data_dir: str | Path, prompts: Sequence[str], recipe: DataRecipe, *
     jobs = [(i, kind) for kind in kinds for i in range(len(prompts)) if (i, kind) not in done]
     deadline = None if minutes is None else time.monotonic() + 60 * minutes
     counts = {"sequences": 0, "tokens": 0, "skipped_done": len(done)}
-    with LlamaTarget(recipe.model, n_ctx=1024, n_batch=512, n_threads=n_threads,
-                     capture_layers=recipe.layer_ids) as target:
+    with LlamaTarget(
+        recipe.model, n_ctx=1024, n_batch=512, n_threads=n_threads, capture_layers=recipe.layer_ids
+    ) as target:
         pending: list[GeneratedSequence] = []
         index = len(shard_paths(data_dir))
         t0 = time.monotonic()
@@ -147,8 +176,16 @@ def generate(data_dir: str | Path, prompts: Sequence[str], recipe: DataRecipe, *
                 break
             rng = np.random.default_rng([recipe.seed, prompt_index, KINDS.index(kind)])
             toks = target.tokenize(target.chat_prompt(prompts[prompt_index]))
-            seq = generate_sequence(target, toks, recipe.max_new_tokens, kind, rng, recipe.warm_tokens,
-                                    recipe.warm_temperature, prompt_index)
+            seq = generate_sequence(
+                target,
+                toks,
+                recipe.max_new_tokens,
+                kind,
+                rng,
+                recipe.warm_tokens,
+                recipe.warm_temperature,
+                prompt_index,
+            )
             pending.append(seq)
             counts["sequences"] += 1
             counts["tokens"] += int(seq.tokens.size - seq.prompt_length)
@@ -168,6 +205,7 @@ def generate(data_dir: str | Path, prompts: Sequence[str], recipe: DataRecipe, *
 @dataclass
 class Corpus:
     """Every shard of a data directory in memory: flat arrays plus per-sequence spans."""
+
     tokens: np.ndarray
     features: np.ndarray
     greedy: np.ndarray
@@ -183,7 +221,7 @@ class Corpus:
     def sequence(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(tokens, features, greedy, prompt_length) of sequence i (views)."""
         a, n = int(self.starts[i]), int(self.lengths[i])
-        return self.tokens[a:a + n], self.features[a:a + n], self.greedy[a:a + n], int(self.prompt_lengths[i])
+        return self.tokens[a : a + n], self.features[a : a + n], self.greedy[a : a + n], int(self.prompt_lengths[i])
 
     def iter_sequences(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
         for i in range(self.n_sequences):
@@ -198,8 +236,9 @@ def load_corpus(data_dirs: str | Path | Sequence[str | Path], max_shards: int | 
     paths = [p for d in dirs for p in shard_paths(Path(d))[:max_shards]]
     if not paths:
         raise FileNotFoundError(f"no shards in {dirs}")
-    small: dict[str, list[np.ndarray]] = {k: [] for k in ("tokens", "greedy", "starts", "lengths",
-                                                          "prompt_lengths", "prompt_index")}
+    small: dict[str, list[np.ndarray]] = {
+        k: [] for k in ("tokens", "greedy", "starts", "lengths", "prompt_lengths", "prompt_index")
+    }
     widths = set()
     for p in paths:  # first pass: everything but the features, and their sizes
         with np.load(p) as z:
@@ -213,7 +252,7 @@ def load_corpus(data_dirs: str | Path | Sequence[str | Path], max_shards: int | 
     offset = 0
     for p, n, starts in zip(paths, sizes, small["starts"]):
         with np.load(p) as z:
-            features[offset:offset + n] = z["features"]
+            features[offset : offset + n] = z["features"]
         starts += offset
         offset += n
     return Corpus(features=features, **{k: np.concatenate(v) for k, v in small.items()})

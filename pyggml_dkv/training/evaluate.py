@@ -9,16 +9,25 @@ batch shapes; the real loop's measurement is benchmarks/bench_drafter.py.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from .data import Corpus
 from .objective import Frozen, accepted_lengths, anchor_range, predictions, simulated_rounds
 
+if TYPE_CHECKING:  # pragma: no cover
+    from dflash.model import DFlashDraftModel  # (no type information: Any to mypy)
+
 
 @torch.no_grad()
-def offline_acceptance(model: torch.nn.Module, frozen: Frozen, corpus: Corpus, max_sequences: int | None = None) -> dict:
-    """tokens per round of the replay, the every-anchor mean, the histogram of round lengths."""
+def offline_acceptance(
+    model: DFlashDraftModel, frozen: Frozen, corpus: Corpus, max_sequences: int | None = None, *, selector: bool = True
+) -> dict:
+    """tokens per round of the replay, the every-anchor mean, the histogram of round lengths.
+    A DFlash-2 drafter drafts with its selector's greedy walk (`selector=False`: the argmax of
+    each row instead, to measure what the selector adds)."""
     was_training = model.training
     model.eval()
     rounds: list[int] = []
@@ -29,7 +38,7 @@ def offline_acceptance(model: torch.nn.Module, frozen: Frozen, corpus: Corpus, m
         anchors = anchor_range(tokens.size, plen)
         if anchors.size == 0:
             continue
-        drafts = predictions(model, frozen, tokens, feats, anchors)
+        drafts = predictions(model, frozen, tokens, feats, anchors, selector=selector)
         acc = accepted_lengths(drafts, tokens, greedy, anchors)
         every.append(acc + 1)
         rounds += simulated_rounds(acc, anchors, tokens.size)
@@ -40,5 +49,10 @@ def offline_acceptance(model: torch.nn.Module, frozen: Frozen, corpus: Corpus, m
 def replay_summary(sequences: int, rounds: list[int], every: list[np.ndarray], block: int) -> dict:
     """tokens per round of the replayed rounds, the every-anchor mean, the histogram of round lengths."""
     hist = np.bincount(np.array(rounds, dtype=np.int64) - 1, minlength=block).tolist() if rounds else []
-    return {"sequences": sequences, "rounds": len(rounds), "tokens_per_round": float(np.mean(rounds)) if rounds else 0.0,
-            "every_anchor_mean": float(np.concatenate(every).mean()) if every else 0.0, "histogram": hist}
+    return {
+        "sequences": sequences,
+        "rounds": len(rounds),
+        "tokens_per_round": float(np.mean(rounds)) if rounds else 0.0,
+        "every_anchor_mean": float(np.concatenate(every).mean()) if every else 0.0,
+        "histogram": hist,
+    }

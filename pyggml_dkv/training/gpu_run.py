@@ -26,8 +26,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,66 +35,16 @@ import torch
 from ..model.config import DraftConfig
 from ..model.weights import DraftWeights
 from .batched import DeviceCorpus, batch_acceptance, batch_loss, choose_anchors
+from .config import TrainConfig
 from .model import load_weights, new_model, to_draft_weights
 from .selfgen import continue_prompts, self_prompts, unpack
 from .torch_target import TorchLlama, features_and_argmax
 from .train import adamw, cosine_decay
 
+if TYPE_CHECKING:  # pragma: no cover
+    from dflash.model import DFlashDraftModel  # (no type information: Any to mypy)
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GpuRecipe:
-    pack: str  # selfgen.prompt_pack output
-    model: str  # the target GGUF
-    out: str
-    draft: dict  # DraftConfig fields shared by every drafter (n_layer comes from `layers`)
-    layers: list[int] = field(default_factory=lambda: [2])
-    minutes: float = 8.0  # wall clock for the whole run, load to last save
-    data_share: float = 0.4  # at most this share of the time goes to phases 1-2
-    self_prompts: int = 16384
-    template_prompts: int | None = None  # the first N template prompts (None: all)
-    held_out_prompts: int | None = None
-    prompt_batch: int = 2048
-    answer_batch: int = 1024
-    max_new_tokens: int = 256
-    warm_tokens: int = 4
-    seqs_per_step: int = 32
-    anchors_per_seq: int = 64
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.05
-    warmup_steps: int = 100
-    weight_decay: float = 0.01
-    gamma: float = 4.0
-    grad_clip: float = 1.0
-    save_minutes: float = 1.5
-    seed: int = 0
-    device: str = "cuda"
-    tokens: str | None = None  # an earlier run's tokens.npz: train on those sequences, skip generating
-    init: str | None = None  # weights to start the (single) drafter from: parts prefix or checkpoint
-
-    def __post_init__(self) -> None:
-        if not self.layers or len(set(self.layers)) != len(self.layers) or min(self.layers) < 1:
-            raise ValueError(f"layers must be distinct drafter depths >= 1, got {self.layers}")
-        if not self.minutes > 0:
-            raise ValueError(f"minutes must be > 0, got {self.minutes}")
-        if not 0 < self.data_share < 1:
-            raise ValueError(f"data_share must lie in (0, 1), got {self.data_share}")
-        for name in ("self_prompts", "prompt_batch", "answer_batch", "max_new_tokens", "seqs_per_step",
-                     "anchors_per_seq"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("pack", "model", "tokens"):
-            if getattr(self, name) is not None and not Path(getattr(self, name)).is_file():
-                raise FileNotFoundError(f"{name}: no such file {getattr(self, name)}")
-        if self.init is not None:
-            if len(self.layers) != 1:
-                raise ValueError(f"init starts one drafter: give one depth in layers, got {self.layers}")
-            init = Path(self.init)
-            if not (init.exists() or init.with_name(init.name + ".part0.npz").is_file()):
-                raise FileNotFoundError(f"init: no weights at {self.init}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r}: PyTorch sees no CUDA device here (--device cpu runs on the CPU)")
 
 
 def save_parts(weights: DraftWeights, out_dir: Path, name: str, max_bytes: int = 15 << 20) -> list[Path]:
@@ -103,7 +53,7 @@ def save_parts(weights: DraftWeights, out_dir: Path, name: str, max_bytes: int =
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob(f"{name}.part*.npz"):
         old.unlink()
-    parts: list[dict[str, np.ndarray]] = [{"__config__": np.array(json.dumps(weights.cfg.to_dict()))}]
+    parts: list[dict[str, Any]] = [{"__config__": np.array(json.dumps(weights.cfg.to_dict()))}]
     size = 0
     for key, arr in weights.items():
         a = np.asarray(arr, np.float16)
@@ -151,7 +101,7 @@ class RunLog:
     """log.jsonl: one JSON record per line, flushed at once (a run cut short keeps its log)."""
 
     def __init__(self, path: Path) -> None:
-        self.f = open(path, "a")
+        self.f = open(path, "a")  # noqa: SIM115 (the log's for its life: close())
 
     def write(self, **record: object) -> None:
         log.info("%s", record)
@@ -162,40 +112,62 @@ class RunLog:
         self.f.close()
 
 
-def generate_sequences(target: TorchLlama, r: GpuRecipe, pack: dict, eog: set[int], deadline: float,
-                       runlog: RunLog, t0: float) -> tuple[list[np.ndarray], list[int]]:
+def generate_sequences(
+    target: TorchLlama, r: TrainConfig, pack: dict, eog: set[int], deadline: float, runlog: RunLog, t0: float
+) -> tuple[list[np.ndarray], list[int]]:
     """Phase 1's training sequences: the templates greedy and warm, then requests the target
     writes itself, answered greedily until the data deadline."""
-    templates = unpack(pack["train_flat"], pack["train_len"])[:r.template_prompts]
+    templates = unpack(pack["train_flat"], pack["train_len"])[: r.template_prompts]
     seqs, plens = continue_prompts(target, templates, eog, batch=r.answer_batch, max_new=r.max_new_tokens)
-    warm, warm_plen = continue_prompts(target, templates, eog, batch=r.answer_batch, max_new=r.max_new_tokens,
-                                       warm_tokens=r.warm_tokens, seed=r.seed + 1)
+    warm, warm_plen = continue_prompts(
+        target,
+        templates,
+        eog,
+        batch=r.answer_batch,
+        max_new=r.max_new_tokens,
+        warm_tokens=r.warm_tokens,
+        seed=r.seed + 1,
+    )
     seqs, plens = seqs + warm, plens + warm_plen
     runlog.write(phase="templates", sequences=len(seqs), seconds=round(time.monotonic() - t0, 1))
     # what is left of the data time: a third for writing prompts, half for answering them, the
     # rest in reserve for the features pass
     now = time.monotonic()
-    prompts = self_prompts(target, pack, r.self_prompts, batch=r.prompt_batch, seed=r.seed + 2,
-                           deadline=now + 0.3 * (deadline - now))
+    prompts = self_prompts(
+        target, pack, r.self_prompts, batch=r.prompt_batch, seed=r.seed + 2, deadline=now + 0.3 * (deadline - now)
+    )
     gen_deadline = now + 0.8 * (deadline - now)
     runlog.write(phase="self_prompts", prompts=len(prompts), seconds=round(time.monotonic() - t0, 1))
-    answers, answer_plen = continue_prompts(target, prompts, eog, batch=r.answer_batch, max_new=r.max_new_tokens,
-                                            deadline=gen_deadline)
+    answers, answer_plen = continue_prompts(
+        target, prompts, eog, batch=r.answer_batch, max_new=r.max_new_tokens, deadline=gen_deadline
+    )
     seqs, plens = seqs + answers, plens + answer_plen
-    runlog.write(phase="answers", sequences=len(seqs), tokens=int(sum(s.size for s in seqs)),
-                 new_tokens=int(sum(s.size - p for s, p in zip(seqs, plens))), seconds=round(time.monotonic() - t0, 1))
+    runlog.write(
+        phase="answers",
+        sequences=len(seqs),
+        tokens=int(sum(s.size for s in seqs)),
+        new_tokens=int(sum(s.size - p for s, p in zip(seqs, plens))),
+        seconds=round(time.monotonic() - t0, 1),
+    )
     return seqs, plens
 
 
-def build_data(target: TorchLlama, r: GpuRecipe, deadline: float, runlog: RunLog
-               ) -> tuple[DeviceCorpus, DeviceCorpus, list[np.ndarray], list[int]]:
+def build_data(
+    target: TorchLlama, r: TrainConfig, deadline: float, runlog: RunLog
+) -> tuple[DeviceCorpus, DeviceCorpus, list[np.ndarray], list[int]]:
     """Phases 1-2: (training corpus, held-out corpus, training sequences, their prompt lengths)."""
+    assert r.pack is not None  # a GPU run's (TrainConfig.route)
     pack = dict(np.load(r.pack))
     eog = set(int(t) for t in pack["eog"])
     layers = tuple(DraftConfig(**r.draft).target_layer_ids)
     t0 = time.monotonic()
-    held, held_plen = continue_prompts(target, unpack(pack["held_flat"], pack["held_len"])[:r.held_out_prompts],
-                                       eog, batch=r.answer_batch, max_new=r.max_new_tokens)
+    held, held_plen = continue_prompts(
+        target,
+        unpack(pack["held_flat"], pack["held_len"])[: r.held_out_prompts],
+        eog,
+        batch=r.answer_batch,
+        max_new=r.max_new_tokens,
+    )
     runlog.write(phase="held_out", sequences=len(held), seconds=round(time.monotonic() - t0, 1))
     if r.tokens is not None:
         with np.load(r.tokens) as z:
@@ -206,21 +178,27 @@ def build_data(target: TorchLlama, r: GpuRecipe, deadline: float, runlog: RunLog
         seqs, plens = generate_sequences(target, r, pack, eog, deadline, runlog, t0)
 
     def corpus(sequences: list[np.ndarray], prompt_lengths: list[int], chunk: int = 64) -> tuple[DeviceCorpus, float]:
-        c = DeviceCorpus.allocate(sequences, prompt_lengths, DraftConfig(**r.draft).fc_in, torch.bfloat16, target.device)
+        c = DeviceCorpus.allocate(
+            sequences, prompt_lengths, DraftConfig(**r.draft).fc_in, torch.bfloat16, target.device
+        )
         agree = []
         for lo in range(0, len(sequences), chunk):
-            part = sequences[lo:lo + chunk]
+            part = sequences[lo : lo + chunk]
             feats, argmax = features_and_argmax(target, part, layers, torch.bfloat16)
             for i, (s, f, a) in enumerate(zip(part, feats, argmax), start=lo):
                 g = np.zeros(s.size, bool)
                 g[1:] = s[1:] == a[:-1]  # token t is the target's argmax after tokens [0, t)
                 c.fill(i, f, g)
-                agree.append(g[prompt_lengths[i]:].mean() if s.size > prompt_lengths[i] else 1.0)
+                agree.append(g[prompt_lengths[i] :].mean() if s.size > prompt_lengths[i] else 1.0)
         return c, float(np.mean(agree))
 
     (train_corpus, agree), (held_corpus, _) = corpus(seqs, plens), corpus(held, held_plen)
-    runlog.write(phase="features", sequences=train_corpus.n_sequences, generated_argmax_agreement=agree,
-                 seconds=round(time.monotonic() - t0, 1))
+    runlog.write(
+        phase="features",
+        sequences=train_corpus.n_sequences,
+        generated_argmax_agreement=agree,
+        seconds=round(time.monotonic() - t0, 1),
+    )
     return train_corpus, held_corpus, seqs, plens
 
 
@@ -232,7 +210,7 @@ def drafter_config(draft: dict, n_layer: int) -> DraftConfig:
     return DraftConfig(**fields)
 
 
-def lr_at(step: int, progress: float, r: GpuRecipe) -> float:
+def lr_at(step: int, progress: float, r: TrainConfig) -> float:
     """Linear warm-up over the first steps, times a cosine decay to min_lr_ratio over the training
     time (`progress`: the share of it spent). A run is cut by the clock, and a step's time is
     hard to foresee on a GPU (the first steps of each new shape are slow: a schedule sized from
@@ -241,8 +219,13 @@ def lr_at(step: int, progress: float, r: GpuRecipe) -> float:
     return r.lr * warm * cosine_decay(max(0.0, progress), r.min_lr_ratio)
 
 
-def run(r: GpuRecipe) -> dict:
-    """The whole run (module docstring); returns the last save's record."""
+def run(r: TrainConfig) -> dict:
+    """The whole run (module docstring) of a GPU-route TrainConfig (`pack`); returns the last save's record."""
+    if r.route != "gpu":
+        raise ValueError(
+            "gpu_run.run makes its data from a prompt pack (TrainConfig.pack); a run on the "
+            "host's data is train.train's"
+        )
     out = Path(r.out)
     out.mkdir(parents=True, exist_ok=True)
     runlog = RunLog(out / "log.jsonl")
@@ -252,18 +235,22 @@ def run(r: GpuRecipe) -> dict:
         runlog.close()
 
 
-def _run(r: GpuRecipe, out: Path, runlog: RunLog) -> dict:
+def _run(r: TrainConfig, out: Path, runlog: RunLog) -> dict:
     start = time.monotonic()
     end = start + 60 * r.minutes
-    runlog.write(phase="recipe", recipe=asdict(r))
+    runlog.write(phase="recipe", recipe=r.recipe())
     dev = torch.device(r.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # the target in true float32
     target = TorchLlama.from_gguf(r.model, dev)
     runlog.write(phase="load", seconds=round(time.monotonic() - start, 1), device=str(dev))
     corpus, held, seqs, plens = build_data(target, r, start + 60 * r.minutes * r.data_share, runlog)
     token_type = np.uint16 if target.shape.vocab <= 1 << 16 else np.int32
-    np.savez_compressed(out / "tokens.npz", tokens=np.concatenate(seqs).astype(token_type),
-                        lengths=np.array([s.size for s in seqs]), prompt_lengths=np.array(plens))
+    np.savez_compressed(
+        out / "tokens.npz",
+        tokens=np.concatenate(seqs).astype(token_type),
+        lengths=np.array([s.size for s in seqs]),
+        prompt_lengths=np.array(plens),
+    )
     embed = target.w["token_embd"]
     lm_head = target.w["output"].to(torch.bfloat16)
     del target.w  # the target's weights are done with: room for training
@@ -300,7 +287,7 @@ def _run(r: GpuRecipe, out: Path, runlog: RunLog) -> dict:
             break
         if order.size < r.seqs_per_step:
             order = np.concatenate([order, rng.permutation(corpus.n_sequences)])
-        rows, order = order[:r.seqs_per_step], order[r.seqs_per_step:]
+        rows, order = order[: r.seqs_per_step], order[r.seqs_per_step :]
         anchors, real = choose_anchors(corpus, rows, r.anchors_per_seq, rng)
         lr = lr_at(step, (now - t_train) / max(1e-9, t_stop - t_train), r)
         for m, opt, st in zip(models, opts, stats):
@@ -318,9 +305,13 @@ def _run(r: GpuRecipe, out: Path, runlog: RunLog) -> dict:
             st["valid"] += s["valid"]
         step += 1
         if step % 100 == 0:
-            record = {"step": step, "lr": lr, "seconds": round(time.monotonic() - start, 1),
-                      "loss": [round(st["loss"] / st["n"], 4) for st in stats],
-                      "acc1": [round(st["correct"] / max(1, st["valid"]), 4) for st in stats]}
+            record = {
+                "step": step,
+                "lr": lr,
+                "seconds": round(time.monotonic() - start, 1),
+                "loss": [round(st["loss"] / st["n"], 4) for st in stats],
+                "acc1": [round(st["correct"] / max(1, st["valid"]), 4) for st in stats],
+            }
             runlog.write(**record)
             stats = [{"loss": 0.0, "n": 0, "correct": 0, "valid": 0} for _ in models]
         if time.monotonic() > next_save:
@@ -331,14 +322,27 @@ def _run(r: GpuRecipe, out: Path, runlog: RunLog) -> dict:
     return save_all(models, cfgs, held, embed, lm_head, out, step, start, runlog)
 
 
-def save_all(models: list[torch.nn.Module], cfgs: list[DraftConfig], held: DeviceCorpus, embed: torch.Tensor,
-             lm_head: torch.Tensor, out: Path, step: int, start: float, runlog: RunLog) -> dict:
+def save_all(
+    models: list[DFlashDraftModel],
+    cfgs: list[DraftConfig],
+    held: DeviceCorpus,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    out: Path,
+    step: int,
+    start: float,
+    runlog: RunLog,
+) -> dict:
     """Write every drafter's weights (save_parts) and log its held-out replay."""
     evals = []
     for m, cfg in zip(models, cfgs):
         save_parts(to_draft_weights(m, cfg), out, f"drafter-{cfg.n_layer}l")
         evals.append(batch_acceptance(m, embed, lm_head, held))
-    record = {"phase": "save", "step": step, "seconds": round(time.monotonic() - start, 1),
-              "held_out": {f"{c.n_layer}l": e for c, e in zip(cfgs, evals)}}
+    record = {
+        "phase": "save",
+        "step": step,
+        "seconds": round(time.monotonic() - start, 1),
+        "held_out": {f"{c.n_layer}l": e for c, e in zip(cfgs, evals)},
+    }
     runlog.write(**record)
     return record

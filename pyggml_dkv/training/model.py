@@ -1,19 +1,24 @@
-"""The drafter in PyTorch for training: the `dflash` package's DFlashDraftModel, built from a
-DraftConfig, and conversions to and from our DraftWeights (same tensor names, `(out, in)` layout).
+"""The drafter in PyTorch for training: the `dflash` package's DFlashDraftModel (DFlash2DraftModel
+for a DFlash-2 config), built from a DraftConfig, and conversions to and from our DraftWeights
+(same tensor names, `(out, in)` layout; the selector's codebooks, nn.Embedding in the model, are
+named without `.weight` in DraftWeights as in the published checkpoints).
 
 Training with the reference model's own class means what we train is, by construction, what the
-dflash package and our ggml drafter (tested against it, tests/drafter/test_dflash_torch.py) run.
+dflash package and our ggml drafter (tested against it, tests/drafter/test_dflash_torch.py,
+tests/reference/test_dflash2_upstream.py) run.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
 import transformers
 from dflash import model as dflash_model
 
-from ..model.config import DraftConfig
-from ..model.tensor_names import expected_shapes
+from ..model.config import DFLASH2_FIELDS, DraftConfig
+from ..model.tensor_names import expected_shapes, is_selector_codebook
 from ..model.weights import DraftWeights
 
 
@@ -24,37 +29,82 @@ def qwen3_config(cfg: DraftConfig) -> transformers.Qwen3Config:
     if cfg.freq_scale != 1.0 or cfg.ext_factor != 0.0:
         raise ValueError("training covers plain RoPE only")
     target_ids = list(cfg.target_layer_ids) or list(range(1, 2 * cfg.n_target_layers, 2))
-    return transformers.Qwen3Config(
-        hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv, head_dim=cfg.head_dim,
-        vocab_size=max(cfg.vocab or 0, cfg.mask_token_id + 1, 32), rms_norm_eps=cfg.rms_eps,
-        rope_theta=cfg.rope_theta, max_position_embeddings=1 << 17, num_target_layers=2 * cfg.n_target_layers + 2,
+    dflash_config: dict[str, Any] = {
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": target_ids,
+        # read by the model's compute_logits (objective.draft_logits): the logits the drafter runs with
+        "output_multiplier": cfg.output_multiplier,
+        "final_logit_softcapping": cfg.final_logit_softcapping,
+    }
+    if cfg.is_dflash2:  # DFlash2DraftModel reads these (its codebooks take vocab_size rows: exactly cfg.vocab)
+        dflash_config.update({name: getattr(cfg, name) for name in DFLASH2_FIELDS})
+    # what Qwen3Config's signature does not name goes through PretrainedConfig's **kwargs (dflash reads it)
+    extra: dict[str, Any] = dict(
+        rope_theta=cfg.rope_theta,
+        num_target_layers=2 * cfg.n_target_layers + 2,
         attn_implementation="sdpa",
-        dflash_config={"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id, "target_layer_ids": target_ids},
+        dflash_config=dflash_config,
+    )
+    return transformers.Qwen3Config(
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_head_kv,
+        head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab if cfg.is_dflash2 else max(cfg.vocab or 0, cfg.mask_token_id + 1, 32),
+        rms_norm_eps=cfg.rms_eps,
+        max_position_embeddings=1 << 17,
+        **extra,
     )
 
 
-def new_model(cfg: DraftConfig, seed: int) -> torch.nn.Module:
-    """A freshly initialised DFlashDraftModel (the transformers init: normal(0, 0.02), norms 1)."""
+def new_model(cfg: DraftConfig, seed: int) -> dflash_model.DFlashDraftModel:
+    """A freshly initialised DFlashDraftModel, or DFlash2DraftModel for a DFlash-2 config (the
+    transformers init: normal(0, 0.02), norms 1; the convolutions' base kernels as `init_dflash2`)."""
     torch.manual_seed(seed)
-    return dflash_model.DFlashDraftModel(qwen3_config(cfg)).float()
+    if not cfg.is_dflash2:
+        return dflash_model.DFlashDraftModel(qwen3_config(cfg)).float()
+    model = dflash_model.DFlash2DraftModel(qwen3_config(cfg)).float()
+    init_dflash2(model)
+    return model
 
 
-def load_weights(model: torch.nn.Module, weights: DraftWeights) -> None:
+def init_dflash2(model: dflash_model.DFlash2DraftModel) -> None:
+    """Base kernels start as the identity (tap 0 = 1, the other taps 0): with the kernel
+    projections' small normal(0, 0.02) init, every convolution starts close to a pass-through and
+    the drafter close to a DFlash-1 drafter. (The upstream class leaves its base kernels
+    uninitialised, torch.empty, and transformers' init does not touch them.) The selector keeps
+    the transformers init: codebooks and gate ~ normal(0, 0.02), so its pair term starts near 0 and
+    the walk near the per-position argmax."""
+    with torch.no_grad():
+        for layer in model.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.zero_()
+                conv.base_kernel[:, 0] = 1.0
+
+
+def torch_name(name: str) -> str:
+    """The model's state-dict name of a DraftWeights tensor (the codebooks are nn.Embedding)."""
+    return name + ".weight" if is_selector_codebook(name) else name
+
+
+def load_weights(model: dflash_model.DFlashDraftModel, weights: DraftWeights) -> None:
     """Copy every tensor of `weights` into the model (strict: same names, same shapes)."""
-    state = {name: torch.from_numpy(np.array(arr, dtype=np.float32)) for name, arr in weights.items()}
+    state = {torch_name(name): torch.from_numpy(np.array(arr, dtype=np.float32)) for name, arr in weights.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if "rotary" not in m]
     if missing or unexpected:
         raise ValueError(f"weights do not match the model: missing {missing}, unexpected {unexpected}")
 
 
-def to_draft_weights(model: torch.nn.Module, cfg: DraftConfig) -> DraftWeights:
+def to_draft_weights(model: dflash_model.DFlashDraftModel, cfg: DraftConfig) -> DraftWeights:
     """The model's effective tensors as DraftWeights (float32 host arrays); a reparametrised
     weight (feature scaling) is written as the model computes with it."""
     tensors = {}
     for name in expected_shapes(cfg):
-        module_path, _, attr = name.rpartition(".")
+        module_path, _, attr = torch_name(name).rpartition(".")
         module = model.get_submodule(module_path) if module_path else model
         tensors[name] = getattr(module, attr).detach().float().cpu().numpy().copy()
     return DraftWeights(cfg, tensors)
@@ -62,6 +112,8 @@ def to_draft_weights(model: torch.nn.Module, cfg: DraftConfig) -> DraftWeights:
 
 class _DivideColumns(torch.nn.Module):
     """weight -> weight / scale per input column (a torch parametrization)."""
+
+    scale: torch.Tensor  # a buffer
 
     def __init__(self, scale: torch.Tensor) -> None:
         super().__init__()
@@ -71,7 +123,7 @@ class _DivideColumns(torch.nn.Module):
         return weight / self.scale
 
 
-def scale_features(model: torch.nn.Module, scale: np.ndarray) -> None:
+def scale_features(model: dflash_model.DFlashDraftModel, scale: np.ndarray) -> None:
     """Train fc as if its input features were divided by `scale` (per feature column).
 
     The target's features span orders of magnitude between channels (a few channels of the upper
@@ -104,15 +156,20 @@ def unpermute_llama_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def init_from_target(model: torch.nn.Module, cfg: DraftConfig, gguf, target_layers: list[int]) -> None:
+def init_from_target(model: dflash_model.DFlashDraftModel, cfg: DraftConfig, gguf, target_layers: list[int]) -> None:
     """Initialise drafter layer i from target decoder layer target_layers[i] (same attention and
     MLP shape required): q/k/v/o, gate/up/down and both norms; q_norm/k_norm stay 1. The final
     norm takes the target's output norm (the frozen lm_head follows it in both models)."""
     names = {
-        "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
-        "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
-        "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down",
-        "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+        "self_attn.q_proj.weight": "attn_q",
+        "self_attn.k_proj.weight": "attn_k",
+        "self_attn.v_proj.weight": "attn_v",
+        "self_attn.o_proj.weight": "attn_output",
+        "mlp.gate_proj.weight": "ffn_gate",
+        "mlp.up_proj.weight": "ffn_up",
+        "mlp.down_proj.weight": "ffn_down",
+        "input_layernorm.weight": "attn_norm",
+        "post_attention_layernorm.weight": "ffn_norm",
     }
     state = model.state_dict()
     if len(target_layers) != cfg.n_layer:

@@ -38,6 +38,7 @@ def prompt_pack(model_path: str, out: str | Path, prompt_seed: int = 0) -> Path:
     from .prompts import HELD_OUT_PROMPTS, REQUEST_OPENERS, training_prompts
 
     with LlamaTarget(model_path, n_ctx=512, n_threads=1) as target:
+
         def chat(texts: list[str] | tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
             toks = [target.tokenize(target.chat_prompt(t)) for t in texts]
             return np.concatenate(toks).astype(np.int32), np.array([t.size for t in toks], np.int64)
@@ -51,10 +52,19 @@ def prompt_pack(model_path: str, out: str | Path, prompt_seed: int = 0) -> Path:
         newline = np.array([t for t in range(target.n_vocab) if b"\n" in target.piece(t)], np.int32)
     out = Path(out)
     with open(out, "wb") as f:  # (np.savez on a name would append .npz to any other suffix)
-        np.savez(f, train_flat=train_flat, train_len=train_len, held_flat=held_flat, held_len=held_len,
-                 user_open=user_open, user_close=user_close, eog=eog, newline=newline,
-                 openers_flat=np.concatenate(openers).astype(np.int32),
-                 openers_len=np.array([o.size for o in openers]))
+        np.savez(
+            f,
+            train_flat=train_flat,
+            train_len=train_len,
+            held_flat=held_flat,
+            held_len=held_len,
+            user_open=user_open,
+            user_close=user_close,
+            eog=eog,
+            newline=newline,
+            openers_flat=np.concatenate(openers).astype(np.int32),
+            openers_len=np.array([o.size for o in openers]),
+        )
     return out
 
 
@@ -63,8 +73,17 @@ def unpack(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
     return np.split(flat.astype(np.int64), np.cumsum(lengths)[:-1])
 
 
-def self_prompts(model: TorchLlama, pack, n: int, *, batch: int, max_len: int = 48, temperature: float = 0.7,
-                 seed: int = 0, deadline: float | None = None) -> list[np.ndarray]:
+def self_prompts(
+    model: TorchLlama,
+    pack,
+    n: int,
+    *,
+    batch: int,
+    max_len: int = 48,
+    temperature: float = 0.7,
+    seed: int = 0,
+    deadline: float | None = None,
+) -> list[np.ndarray]:
     """Up to `n` distinct chat prompts whose user request the target wrote: user_open, an opener
     and what the target sampled after it, up to its first line break or end of turn (at least 3
     tokens; a request still open after max_len tokens is dropped), then user_close."""
@@ -91,9 +110,18 @@ def self_prompts(model: TorchLlama, pack, n: int, *, batch: int, max_len: int = 
     return prompts[:n]
 
 
-def continue_prompts(model: TorchLlama, prompts: list[np.ndarray], eog: set[int], *, batch: int, max_new: int,
-                     warm_tokens: int | None = None, warm_temperature: float = 0.8, seed: int = 0,
-                     deadline: float | None = None) -> tuple[list[np.ndarray], list[int]]:
+def continue_prompts(
+    model: TorchLlama,
+    prompts: list[np.ndarray],
+    eog: set[int],
+    *,
+    batch: int,
+    max_new: int,
+    warm_tokens: int | None = None,
+    warm_temperature: float = 0.8,
+    seed: int = 0,
+    deadline: float | None = None,
+) -> tuple[list[np.ndarray], list[int]]:
     """(prompt + continuation, prompt length) for each prompt for each prompt (greedy, or `warm`: the first warm_tokens sampled),
     in batches of similar prompt length; stops starting batches after `deadline`."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
@@ -103,10 +131,16 @@ def continue_prompts(model: TorchLlama, prompts: list[np.ndarray], eog: set[int]
         if deadline is not None and time.monotonic() > deadline:
             log.info("continuations: deadline after %d of %d", len(result), len(prompts))
             break
-        idx = order[lo:lo + batch]
-        outs = generate(model, [prompts[i] for i in idx], max_new, eog,
-                        temperature=0.0 if warm_tokens is None else warm_temperature,
-                        sample_first=warm_tokens, generator=gen)
+        idx = order[lo : lo + batch]
+        outs = generate(
+            model,
+            [prompts[i] for i in idx],
+            max_new,
+            eog,
+            temperature=0.0 if warm_tokens is None else warm_temperature,
+            sample_first=warm_tokens,
+            generator=gen,
+        )
         for i, o in zip(idx, outs):
             result[int(i)] = np.concatenate([prompts[i], o])
     return [result[i] for i in sorted(result)], [int(prompts[i].size) for i in sorted(result)]

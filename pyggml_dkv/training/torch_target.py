@@ -47,8 +47,13 @@ class LlamaShape:
 class TorchLlama:
     """The target's weights on `device` and its forward pass (no autograd: a frozen teacher)."""
 
-    def __init__(self, shape: LlamaShape, tensors: dict[str, torch.Tensor], device: str | torch.device,
-                 quantized: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        shape: LlamaShape,
+        tensors: dict[str, torch.Tensor],
+        device: str | torch.device,
+        quantized: frozenset[str] = frozenset(),
+    ) -> None:
         self.shape = shape
         self.emulate_q8 = True  # round activations as llama.cpp does before quantized products
         self.quantized = quantized  # the weights the GGUF stores quantized (their products round x)
@@ -58,7 +63,7 @@ class TorchLlama:
         self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
 
     @classmethod
-    def from_gguf(cls, path: str, device: str | torch.device = "cpu") -> "TorchLlama":
+    def from_gguf(cls, path: str, device: str | torch.device = "cpu") -> TorchLlama:
         """Read and dequantize a llama GGUF with the `gguf` package alone (no ggml: this runs on
         machines where our extension is not built)."""
         from gguf import GGMLQuantizationType, GGUFReader
@@ -85,9 +90,12 @@ class TorchLlama:
             return np.array(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)  # a writable copy
 
         shape = LlamaShape(
-            n_layer=int(value("block_count")), hidden=int(value("embedding_length")),
-            n_head=int(value("attention.head_count")), n_head_kv=int(value("attention.head_count_kv")),
-            ffn=int(value("feed_forward_length")), vocab=int(infos["token_embd.weight"].shape[1]),
+            n_layer=int(value("block_count")),
+            hidden=int(value("embedding_length")),
+            n_head=int(value("attention.head_count")),
+            n_head_kv=int(value("attention.head_count_kv")),
+            ffn=int(value("feed_forward_length")),
+            vocab=int(infos["token_embd.weight"].shape[1]),
             rope_theta=float(value("rope.freq_base", 10000.0)),
             rms_eps=float(value("attention.layer_norm_rms_epsilon")),
         )
@@ -99,18 +107,26 @@ class TorchLlama:
 
         plain = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
         output = "output.weight" if "output.weight" in infos else "token_embd.weight"  # tied
-        quantized = {ours for ours, theirs in [("output", output)] + [
-            (f"blk.{i}.{n}", f"blk.{i}.{n}.weight") for i in range(shape.n_layer)
-            for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
-            if infos[theirs].tensor_type not in plain}
+        quantized = {
+            ours
+            for ours, theirs in [("output", output)]
+            + [
+                (f"blk.{i}.{n}", f"blk.{i}.{n}.weight")
+                for i in range(shape.n_layer)
+                for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+            ]
+            if infos[theirs].tensor_type not in plain
+        }
         tensors = {"token_embd": t("token_embd.weight"), "output_norm": t("output_norm.weight")}
         tensors["output"] = t(output) if output != "token_embd.weight" else tensors["token_embd"]
         for i in range(shape.n_layer):
             p = f"blk.{i}."
-            tensors[p + "attn_q"] = torch.from_numpy(np.ascontiguousarray(
-                unpermute_llama_qk(array(p + "attn_q.weight"), shape.n_head)))
-            tensors[p + "attn_k"] = torch.from_numpy(np.ascontiguousarray(
-                unpermute_llama_qk(array(p + "attn_k.weight"), shape.n_head_kv)))
+            tensors[p + "attn_q"] = torch.from_numpy(
+                np.ascontiguousarray(unpermute_llama_qk(array(p + "attn_q.weight"), shape.n_head))
+            )
+            tensors[p + "attn_k"] = torch.from_numpy(
+                np.ascontiguousarray(unpermute_llama_qk(array(p + "attn_k.weight"), shape.n_head_kv))
+            )
             for name in ("attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_norm", "ffn_norm"):
                 tensors[p + name] = t(p + name + ".weight")
         return cls(shape, tensors, device, frozenset(quantized))
@@ -144,9 +160,15 @@ class TorchLlama:
     # --- forward ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
-                cache: "KVCache | None" = None, slot0: int = 0, capture: tuple[int, ...] = ()
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor,
+        cache: KVCache | None = None,
+        slot0: int = 0,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final hidden states (B, T, hidden) after the output norm, and the residual stream
         after each layer in `capture`. `visible` (B, T, S) says which keys each query sees: the
         S = slot0 + T cache slots with a cache, else the T tokens themselves."""
@@ -203,15 +225,22 @@ def left_pad(prompts: list[np.ndarray], pad: int = 0) -> tuple[np.ndarray, np.nd
     tokens = np.full((len(prompts), width), pad, np.int64)
     valid = np.zeros((len(prompts), width), bool)
     for r, p in enumerate(prompts):
-        tokens[r, width - p.size:] = p
-        valid[r, width - p.size:] = True
+        tokens[r, width - p.size :] = p
+        valid[r, width - p.size :] = True
     return tokens, valid
 
 
 @torch.no_grad()
-def generate(model: TorchLlama, prompts: list[np.ndarray], max_new: int, eog: set[int], *,
-             temperature: float | list[float] = 0.0, sample_first: int | None = None,
-             generator: torch.Generator | None = None) -> list[np.ndarray]:
+def generate(
+    model: TorchLlama,
+    prompts: list[np.ndarray],
+    max_new: int,
+    eog: set[int],
+    *,
+    temperature: float | list[float] = 0.0,
+    sample_first: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[np.ndarray]:
     """Continue every prompt, batched: up to `max_new` tokens each, stopping after (and keeping)
     an end-of-generation token. temperature 0 is greedy; with `sample_first`, only the first
     that many tokens are sampled and the rest greedy (the data's "warm" kind). Returns the new
@@ -254,16 +283,17 @@ def generate(model: TorchLlama, prompts: list[np.ndarray], max_new: int, eog: se
             break
         slot = t0 + step
         key_valid[:, slot] = True
-        hidden, _ = model.forward(nxt[:, None], next_pos[:, None], key_valid[:, None, :slot + 1], cache, slot)
+        hidden, _ = model.forward(nxt[:, None], next_pos[:, None], key_valid[:, None, : slot + 1], cache, slot)
         last = hidden[:, -1]
         next_pos = next_pos + 1
     out_np, len_np = out.cpu().numpy(), lengths.cpu().numpy()
-    return [out_np[r, :len_np[r]].copy() for r in range(b)]
+    return [out_np[r, : len_np[r]].copy() for r in range(b)]
 
 
 @torch.no_grad()
-def features_and_argmax(model: TorchLlama, sequences: list[np.ndarray], layers: tuple[int, ...],
-                        feature_dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], list[np.ndarray]]:
+def features_and_argmax(
+    model: TorchLlama, sequences: list[np.ndarray], layers: tuple[int, ...], feature_dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.Tensor], list[np.ndarray]]:
     """Teacher-forced pass over whole sequences (right-padded, batched): per sequence its features
     (n, len(layers) * hidden) on the model's device and the target's argmax after each prefix (n,)."""
     dev = model.device
@@ -271,12 +301,14 @@ def features_and_argmax(model: TorchLlama, sequences: list[np.ndarray], layers: 
     b = len(sequences)
     tok = np.zeros((b, width), np.int64)
     for r, s in enumerate(sequences):
-        tok[r, :s.size] = s
+        tok[r, : s.size] = s
     tokens = torch.from_numpy(tok).to(dev)
     positions = torch.arange(width, device=dev)[None].expand(b, width)
     visible = torch.ones((width, width), dtype=torch.bool, device=dev).tril()[None].expand(b, width, width)
     hidden, captured = model.forward(tokens, positions, visible, capture=layers)
     feats = torch.cat(captured, dim=-1).to(feature_dtype)
     argmax = model.logits(hidden).argmax(-1).cpu().numpy()
-    return ([feats[r, :s.size] for r, s in enumerate(sequences)],
-            [argmax[r, :s.size].astype(np.int32) for r, s in enumerate(sequences)])
+    return (
+        [feats[r, : s.size] for r, s in enumerate(sequences)],
+        [argmax[r, : s.size].astype(np.int32) for r, s in enumerate(sequences)],
+    )

@@ -1,4 +1,5 @@
-"""The training loop: AdamW with warm-up and cosine decay, resumable checkpoints, held-out evaluation.
+"""The training loop on the host's data: AdamW with warm-up and cosine decay, resumable
+checkpoints, held-out evaluation.
 
     run = TrainConfig(data=["data/smollm2"], out="runs/a", model="SmolLM2.gguf", epochs=2)
     train(run)            # resumes from runs/a/state.pt when it exists
@@ -14,48 +15,20 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..model.config import DraftConfig
+from .config import TrainConfig
 from .data import load_corpus
 from .evaluate import offline_acceptance
 from .model import feature_scale, init_from_target, new_model, scale_features, to_draft_weights
 from .objective import Frozen, anchor_range, sequence_loss
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainConfig:
-    data: list[str]  # data directories (pyggml_dkv.training.data), trained on together
-    out: str
-    model: str  # the target GGUF: frozen embedding and lm_head, optional layer init
-    draft: dict = field(default_factory=dict)  # DraftConfig fields
-    init_layers: list[int] = field(default_factory=list)  # target layers to copy in (empty: random init)
-    epochs: float = 1.0
-    seqs_per_step: int = 8
-    anchors_per_seq: int = 48
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.05
-    warmup_steps: int = 50
-    weight_decay: float = 0.01
-    gamma: float = 4.0
-    grad_clip: float = 1.0
-    scale_features: bool = False  # train fc on per-column normalised features (model.scale_features)
-    bf16: bool = True  # autocast the drafter's products to bf16 (float32 weights, optimizer and loss)
-    seed: int = 0
-    threads: int = 2
-    log_every: int = 20
-    save_every: int = 100
-    eval_data: str | None = None  # held-out data directory, evaluated at every save
-    eval_sequences: int = 40
-
-    def draft_config(self) -> DraftConfig:
-        return DraftConfig(**self.draft)
 
 
 def cosine_decay(t: float, min_ratio: float) -> float:
@@ -74,8 +47,11 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim
     """AdamW (0.9, 0.95), weight decay on matrices only (not on norms)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -91,14 +67,19 @@ def frozen_from_gguf(path: str) -> Frozen:
 
 
 def train(cfg: TrainConfig, *, max_steps: int | None = None) -> dict:
-    """Train (or resume) per `cfg`; `max_steps` stops early (tests). Returns the last log record."""
+    """Train (or resume) per `cfg`, a run on the host's data (`cfg.data`); `max_steps` stops early
+    (tests). Returns the last log record."""
+    if cfg.route != "host":
+        raise ValueError(
+            "train() trains on the host's data (TrainConfig.data); a run from a prompt pack is gpu_run.run's"
+        )
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     recipe = out / "train.json"
-    if recipe.exists() and json.loads(recipe.read_text()) != asdict(cfg):
+    if recipe.exists() and json.loads(recipe.read_text()) != cfg.recipe():
         raise ValueError(f"{out} holds a run with another recipe (train.json); use a new --out")
-    recipe.write_text(json.dumps(asdict(cfg), indent=2))
+    recipe.write_text(json.dumps(cfg.recipe(), indent=2))
     dcfg = cfg.draft_config()
     corpus = load_corpus(cfg.data)
     held_out = load_corpus(cfg.eval_data) if cfg.eval_data else None
@@ -125,70 +106,93 @@ def train(cfg: TrainConfig, *, max_steps: int | None = None) -> dict:
         opt.load_state_dict(state["optimizer"])
         step = int(state["step"])
         log.info("resumed %s at step %d of %d", out, step, total)
-    log.info("%d sequences (%d tokens), %d steps of %d sequences x %d anchors", corpus.n_sequences,
-             corpus.tokens.size, total, cfg.seqs_per_step, cfg.anchors_per_seq)
-    logf = open(out / "log.jsonl", "a")
-    acc = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0}
-    t0, record = time.monotonic(), {}
-    stop = total if max_steps is None else min(total, step + max_steps)
-    model.train()
-    while step < stop:
-        epoch, within = divmod(step, per_epoch)
-        order = epoch_order(corpus.n_sequences, cfg.seed, epoch)
-        batch = order[within * cfg.seqs_per_step:(within + 1) * cfg.seqs_per_step]
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, cfg)
-        opt.zero_grad(set_to_none=True)
-        weights, losses = [], []
-        for i in batch:
-            tokens, feats, greedy, plen = corpus.sequence(int(i))
-            anchors = anchor_range(tokens.size, plen)
-            if anchors.size == 0:
-                continue
-            if anchors.size > cfg.anchors_per_seq:  # drawn per (step, sequence): resuming replays them
-                rng = np.random.default_rng([cfg.seed, step, int(i)])
-                anchors = np.sort(rng.choice(anchors, cfg.anchors_per_seq, replace=False))
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss, st = sequence_loss(model, frozen, tokens, feats, greedy, anchors, cfg.gamma)
-            if st["weight"] == 0:
-                continue
-            (loss * st["weight"]).backward()
-            weights.append(st["weight"])
-            losses.append(float(loss.detach()) * st["weight"])
-            acc["correct"] += int(st["correct"][0])
-            acc["valid"] += int(st["valid"][0])
-        if weights:
-            scale = 1.0 / sum(weights)
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            acc["loss"] += sum(losses) * scale
-            acc["n"] += 1
-        step += 1
-        if step % cfg.log_every == 0 or step == stop:
-            record = {"step": step, "of": total, "epoch": round(step / per_epoch, 3), "lr": lr_at(step - 1, total, cfg),
-                      "loss": acc["loss"] / max(1, acc["n"]), "acc1": acc["correct"] / max(1, acc["valid"]),
-                      "seconds": round(time.monotonic() - t0, 1)}
-            log.info("step %d/%d loss %.4f acc@1 %.3f lr %.2e (%.0f s)", step, total, record["loss"],
-                     record["acc1"], record["lr"], record["seconds"])
-            logf.write(json.dumps(record) + "\n")
-            logf.flush()
-            acc = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0}
-        if step % cfg.save_every == 0 or step == stop:
-            save(model, opt, step, out, dcfg)
-            if held_out is not None:
-                model.eval()
-                ev = offline_acceptance(model, frozen, held_out, cfg.eval_sequences)
-                model.train()
-                ev_record = {"step": step, "eval": ev}
-                log.info("step %d held-out: %.3f tokens/round (every anchor %.3f)", step,
-                         ev["tokens_per_round"], ev["every_anchor_mean"])
-                logf.write(json.dumps(ev_record) + "\n")
+    log.info(
+        "%d sequences (%d tokens), %d steps of %d sequences x %d anchors",
+        corpus.n_sequences,
+        corpus.tokens.size,
+        total,
+        cfg.seqs_per_step,
+        cfg.anchors_per_seq,
+    )
+    with open(out / "log.jsonl", "a") as logf:
+        acc = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0}
+        t0 = time.monotonic()
+        record: dict[str, Any] = {}
+        stop = total if max_steps is None else min(total, step + max_steps)
+        model.train()
+        while step < stop:
+            epoch, within = divmod(step, per_epoch)
+            order = epoch_order(corpus.n_sequences, cfg.seed, epoch)
+            batch = order[within * cfg.seqs_per_step : (within + 1) * cfg.seqs_per_step]
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, total, cfg)
+            opt.zero_grad(set_to_none=True)
+            weights, losses = [], []
+            for i in batch:
+                tokens, feats, greedy, plen = corpus.sequence(int(i))
+                anchors = anchor_range(tokens.size, plen)
+                if anchors.size == 0:
+                    continue
+                if anchors.size > cfg.anchors_per_seq:  # drawn per (step, sequence): resuming replays them
+                    rng = np.random.default_rng([cfg.seed, step, int(i)])
+                    anchors = np.sort(rng.choice(anchors, cfg.anchors_per_seq, replace=False))
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                    loss, st = sequence_loss(model, frozen, tokens, feats, greedy, anchors, cfg.gamma)
+                if st["weight"] == 0:
+                    continue
+                (loss * st["weight"]).backward()
+                weights.append(st["weight"])
+                losses.append(float(loss.detach()) * st["weight"])
+                acc["correct"] += int(st["correct"][0])
+                acc["valid"] += int(st["valid"][0])
+            if weights:
+                scale = 1.0 / sum(weights)
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                opt.step()
+                acc["loss"] += sum(losses) * scale
+                acc["n"] += 1
+            step += 1
+            if step % cfg.log_every == 0 or step == stop:
+                record = {
+                    "step": step,
+                    "of": total,
+                    "epoch": round(step / per_epoch, 3),
+                    "lr": lr_at(step - 1, total, cfg),
+                    "loss": acc["loss"] / max(1, acc["n"]),
+                    "acc1": acc["correct"] / max(1, acc["valid"]),
+                    "seconds": round(time.monotonic() - t0, 1),
+                }
+                log.info(
+                    "step %d/%d loss %.4f acc@1 %.3f lr %.2e (%.0f s)",
+                    step,
+                    total,
+                    record["loss"],
+                    record["acc1"],
+                    record["lr"],
+                    record["seconds"],
+                )
+                logf.write(json.dumps(record) + "\n")
                 logf.flush()
-                record = {**record, "eval": ev}
-    logf.close()
+                acc = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0}
+            if step % cfg.save_every == 0 or step == stop:
+                save(model, opt, step, out, dcfg)
+                if held_out is not None:
+                    model.eval()
+                    ev = offline_acceptance(model, frozen, held_out, cfg.eval_sequences)
+                    model.train()
+                    ev_record = {"step": step, "eval": ev}
+                    log.info(
+                        "step %d held-out: %.3f tokens/round (every anchor %.3f)",
+                        step,
+                        ev["tokens_per_round"],
+                        ev["every_anchor_mean"],
+                    )
+                    logf.write(json.dumps(ev_record) + "\n")
+                    logf.flush()
+                    record = {**record, "eval": ev}
     return record
 
 

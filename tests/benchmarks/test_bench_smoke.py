@@ -15,10 +15,15 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_step.py"
 
 
+@pytest.mark.slow  # runs the benchmark script
 def test_bench_step_quick_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--no-torch", "--reps", "2", "--threads", "1",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--no-torch", "--reps", "2", "--threads", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "speed targets" in proc.stdout
     report = json.loads(out.read_text())
@@ -36,27 +41,55 @@ def test_bench_step_quick_smoke(tmp_path):
         for w in result["windows"]:
             # the graph compute timed inside each step() is part of it: positive, never longer
             kv = w["systems"]["kv_f16"]
-            assert 0 < kv["own_graph"]["min_ms"] and kv["own_graph"]["median_ms"] <= kv["median_ms"]
+            assert kv["own_graph"]["min_ms"] > 0 and kv["own_graph"]["median_ms"] <= kv["median_ms"]
             assert kv["over_own_graph"]["median"] >= 1.0
             assert w["ratios"]["step_over_own_graph"] == kv["over_own_graph"]["median"]
 
 
+@pytest.mark.slow  # runs the benchmark script
 def test_bench_step_profile_is_of_the_graph_a_step_runs(tmp_path):
     """--profile times the nodes of the graph step() computes: its fold-in sized for the step's
     n_new rows (a cache has one graph per fold-in size), not the a_step graph (which overstated the
     fold-in's products ~3x)."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--configs", "toy", "--windows", "64", "--reps", "2", "--no-torch",
-                           "--skip", "oneshot,kv_q8_attbf16,kv_bf16", "--profile", "--profile-reps", "1", "--threads", "1",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--configs",
+            "toy",
+            "--windows",
+            "64",
+            "--reps",
+            "2",
+            "--no-torch",
+            "--skip",
+            "oneshot,kv_q8_attbf16,kv_bf16",
+            "--profile",
+            "--profile-reps",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())["results"][0]
     profiles = result["windows"][0]["profile"]
     assert set(profiles) >= {"kv_f16", "kv_q8"}
     for prof in profiles.values():
-        assert result["n_new"] <= prof["fold_in_rows"] < result["a_step"], (prof["fold_in_rows"], result["n_new"], result["a_step"])
+        assert result["n_new"] <= prof["fold_in_rows"] < result["a_step"], (
+            prof["fold_in_rows"],
+            result["n_new"],
+            result["a_step"],
+        )
 
 
+@pytest.mark.slow  # runs the benchmark script
 def test_bench_head_smoke(tmp_path):
     """bench_head.py runs every head variant on the shipped drafter and checks the screened f32
     head's drafts against the f32 head's itself (it exits non-zero otherwise)."""
@@ -64,8 +97,12 @@ def test_bench_head_smoke(tmp_path):
 
     pytest.importorskip("gguf", reason="the SmolLM2 target GGUF is read with the gguf package")
     out = tmp_path / "head.json"
-    proc = subprocess.run([sys.executable, str(BENCH.parent / "bench_head.py"), "--rounds", "1", "--steps", "5",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH.parent / "bench_head.py"), "--rounds", "1", "--steps", "5", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert set(report["variants"]) == {"head_q8_0", "head_f32", "head_f16", "head_f32_screened", "head_f16_screened"}
@@ -81,11 +118,19 @@ def test_step_report_warns_when_the_machine_moved_during_the_run(capsys, monkeyp
     monkeypatch.syspath_prepend(str(BENCH.parent))
     import step_report
 
-    machine = {"cpu": "x", "omp_wait_policy": "PASSIVE", "bandwidth_gbs": 30.0, "matmul_gflops": 100.0,
-               "cpu_features": {"avx2": True}, "peaks_gmacs": {"vfmadd231ps": 130.0}}
-    for samples, warned in (([{"vfmadd231ps": 162.0}, {"vfmadd231ps": 98.0}], True),
-                            ([{"vfmadd231ps": 162.0}, {"vfmadd231ps": 158.0}], False),
-                            ([{"vfmadd231ps": 162.0}], False)):
+    machine = {
+        "cpu": "x",
+        "omp_wait_policy": "PASSIVE",
+        "bandwidth_gbs": 30.0,
+        "matmul_gflops": 100.0,
+        "cpu_features": {"avx2": True},
+        "peaks_gmacs": {"vfmadd231ps": 130.0},
+    }
+    for samples, warned in (
+        ([{"vfmadd231ps": 162.0}, {"vfmadd231ps": 98.0}], True),
+        ([{"vfmadd231ps": 162.0}, {"vfmadd231ps": 158.0}], False),
+        ([{"vfmadd231ps": 162.0}], False),
+    ):
         step_report.print_report([], {**machine, "peaks_samples_gmacs": samples}, argparse.Namespace(threads=2))
         out = capsys.readouterr().out
         assert ("WARNING: the instruction peaks moved" in out) == warned, out
@@ -159,13 +204,22 @@ def _synthetic_result(probes: dict | None) -> tuple[dict, dict]:
     bandwidth is huge), its products and attention charged to vfmadd231ps."""
     from step_config import CONFIGS
 
-    window = {"window": 64, "systems": {"kv_f16": {"median_ms": 10.0, "p10_ms": 9.0, "p90_ms": 11.0, "n": 5}},
-              "errors_vs_torch_fp32": {}}
+    window = {
+        "window": 64,
+        "systems": {"kv_f16": {"median_ms": 10.0, "p10_ms": 9.0, "p90_ms": 11.0, "n": 5}},
+        "errors_vs_torch_fp32": {},
+    }
     if probes is not None:
         window["probes"] = probes
-    result = {"config": "small", "shape": CONFIGS["small"], "n_new": 9, "a_step": 34,
-              "weight_bytes": {"f16": 131_000_000, "q8_0": 70_000_000}, "windows": [window],
-              "kernels": {"kv_f16": {"matmul_instr": "vfmadd231ps", "attention_instr": "vfmadd231ps"}}}
+    result = {
+        "config": "small",
+        "shape": CONFIGS["small"],
+        "n_new": 9,
+        "a_step": 34,
+        "weight_bytes": {"f16": 131_000_000, "q8_0": 70_000_000},
+        "windows": [window],
+        "kernels": {"kv_f16": {"matmul_instr": "vfmadd231ps", "attention_instr": "vfmadd231ps"}},
+    }
     machine = {"bandwidth_gbs": 1e6, "matmul_gflops": 100.0, "peaks_gmacs": {"vfmadd231ps": 200.0}}
     return result, machine
 
@@ -215,7 +269,11 @@ def test_host_overhead_target_is_the_paired_ratio(monkeypatch):
     w["systems"]["kv_f16"]["over_own_graph"] = {"median": 1.04, "p90": 1.08}
     step_report.analyse(result, machine)
     by_name = {t["target"]: t for t in step_report.targets(result)}
-    assert by_name["host overhead"]["value"] == 1.04 and by_name["host overhead"]["ok"] and by_name["host overhead"]["applies"]
+    assert (
+        by_name["host overhead"]["value"] == 1.04
+        and by_name["host overhead"]["ok"]
+        and by_name["host overhead"]["applies"]
+    )
     vs_raw = by_name["host overhead vs raw"]
     assert abs(vs_raw["value"] - 10.0 / 7.5) < 1e-9 and not vs_raw["ok"] and not vs_raw["applies"]
 
@@ -225,14 +283,35 @@ def test_host_overhead_target_is_the_paired_ratio(monkeypatch):
     assert abs(by_name["host overhead"]["value"] - 10.0 / 7.5) < 1e-9 and "host overhead vs raw" not in by_name
 
 
+@pytest.mark.slow  # runs the benchmark script
 def test_bench_products_smoke(tmp_path):
     """bench_products.py times each type's product hot on one thread and two, and streamed; its JSON
     carries the kernel, the per-product fixed cost and the thread speedup of each type."""
     bench = BENCH.parent / "bench_products.py"
     out = tmp_path / "products.json"
-    proc = subprocess.run([sys.executable, str(bench), "--types", "q8_0,F16", "--columns", "9", "--reps", "1",
-                           "--rounds", "1", "--stream-mb", "4", "--work-mweights", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(bench),
+            "--types",
+            "q8_0,F16",
+            "--columns",
+            "9",
+            "--reps",
+            "1",
+            "--rounds",
+            "1",
+            "--stream-mb",
+            "4",
+            "--work-mweights",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert [(r["type"], r["columns"]) for r in report["results"]] == [("q8_0", 9), ("f16", 9)]
@@ -273,7 +352,11 @@ def test_early_options_and_the_omp_wait_policy(monkeypatch):
 
 def test_bench_llama_cpp_refuses_a_bad_wait_policy_before_loading_anything():
     """A bad --omp-wait-policy stops bench_llama_cpp.py with its name, before ggml or llama.cpp load."""
-    r = subprocess.run([sys.executable, str(BENCH.parent / "bench_llama_cpp.py"), "--omp-wait-policy", "spin"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(BENCH.parent / "bench_llama_cpp.py"), "--omp-wait-policy", "spin"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "--omp-wait-policy must be active, passive or default, got 'spin'" in r.stderr

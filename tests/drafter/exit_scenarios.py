@@ -8,11 +8,21 @@ import threading
 
 import numpy as np
 
-from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, Drafter, FeatureRing, OneShotDrafter
+from pyggml_dkv import Backend, DraftConfig, Drafter, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter
 from pyggml_dkv.ggml import Buffer, Context, Gallocr, Graph
 
-cfg = DraftConfig(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=32, ffn=96, block_size=4,
-                  n_target_layers=2, layer_types=["full", "sliding"], swa_window=6)
+cfg = DraftConfig(
+    hidden=64,
+    n_layer=2,
+    n_head=2,
+    n_head_kv=1,
+    head_dim=32,
+    ffn=96,
+    block_size=4,
+    n_target_layers=2,
+    layer_types=["full", "sliding"],
+    swa_window=6,
+)
 w = DraftWeights.random(cfg)
 ring = FeatureRing(64, cfg.fc_in)
 ring.append(np.random.default_rng(0).standard_normal((60, cfg.fc_in)).astype(np.float32))
@@ -32,9 +42,15 @@ def module_globals() -> None:
     drafter = Drafter(w, embed_tokens=embed, lm_head=embed, cap=19)
     drafter.add_features(np.ones((5, cfg.fc_in), np.float32))
     drafter.propose(3)
-    ctx = Context(n_tensors=2); t = ctx.new_tensor("f32", 8); buf = Buffer.alloc_ctx_tensors(ctx, be)
-    g = Context(n_tensors=8, graph_size=8); graph = Graph(g, 8); graph.expand(g.scale(t, 2.0))
-    galloc = Gallocr(be); galloc.alloc_graph(graph); graph.compute(be)
+    ctx = Context(n_tensors=2)
+    t = ctx.new_tensor("f32", 8)
+    buf = Buffer.alloc_ctx_tensors(ctx, be)
+    g = Context(n_tensors=8, graph_size=8)
+    graph = Graph(g, 8)
+    graph.expand(g.scale(t, 2.0))
+    galloc = Gallocr(be)
+    galloc.alloc_graph(graph)
+    graph.compute(be)
     LEFT_OPEN.extend([bw, cache, one, drafter, ctx, t, buf, g, graph, galloc])  # alive until shutdown
     be.close()  # the backend goes first; everything else is left to the finalizers
     print("child done", flush=True)
@@ -44,11 +60,15 @@ def cycles() -> None:
     """Reference cycles that only the collector (or shutdown) frees."""
     be = Backend("cpu", n_threads=1)
     bw = w.to_backend(be, "f32")
+
     class Holder:
         pass
 
     for i in range(5):
-        h = Holder(); h.cache = DraftKvCache(bw, be, 19); h.self = h; h.cache.owner = h
+        h = Holder()
+        h.cache = DraftKvCache(bw, be, 19)
+        h.self = h
+        h.cache.owner = h
         h.cache.step(ring, 30 + i, noise)
     del h
     bw.close()

@@ -12,8 +12,17 @@ from hypothesis import strategies as st
 
 import pyggml_dkv.drafter.args as dkv
 from pyggml_dkv import (
-    Backend, BackendWeights, DraftConfig, DraftKvCache, DraftKvState, DraftWeights, Drafter, FeatureRing,
-    OneShotDrafter, draft_kv_begin_step, draft_kv_init,
+    Backend,
+    BackendWeights,
+    DraftConfig,
+    Drafter,
+    DraftKvCache,
+    DraftKvState,
+    DraftWeights,
+    FeatureRing,
+    OneShotDrafter,
+    draft_kv_begin_step,
+    draft_kv_init,
 )
 from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
@@ -22,9 +31,18 @@ from pyggml_dkv.model.config import ConfigError
 from pyggml_dkv.model.tensor_names import expected_shapes
 from tests.fuzzing import FuzzRun, objects, poke, short, strategies, variant
 
-
-CFG = DraftConfig(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=32, ffn=96, block_size=4,
-                  n_target_layers=2, layer_types=["full", "sliding"], swa_window=6)
+CFG = DraftConfig(
+    hidden=64,
+    n_layer=2,
+    n_head=2,
+    n_head_kv=1,
+    head_dim=32,
+    ffn=96,
+    block_size=4,
+    n_target_layers=2,
+    layer_types=["full", "sliding"],
+    swa_window=6,
+)
 CAP = 19
 Q, H, FC = CFG.block_size, CFG.hidden, CFG.fc_in
 rng0 = np.random.default_rng(0)
@@ -74,15 +92,25 @@ def step_inputs(fz: FuzzRun) -> None:
     cache = DraftKvCache(bw, backend, CAP, cache_type="f32")
 
     noise_bad = st.one_of(
-        small_shapes.filter(lambda s: s != (Q, H)).map(lambda s: ("shape", np.zeros(s, np.float32), ("noise_embed", "shape"))),
-        st.tuples(st.integers(0, Q), st.integers(0, 3)).filter(lambda t: t != (Q, 1)).map(  # (Q, 1): (Q, H), valid
-            lambda t: ("shape+-", np.zeros((t[0], H + t[1] - 1), np.float32), ("noise_embed", "shape"))),
+        small_shapes.filter(lambda s: s != (Q, H)).map(
+            lambda s: ("shape", np.zeros(s, np.float32), ("noise_embed", "shape"))
+        ),
+        st.tuples(st.integers(0, Q), st.integers(0, 3))
+        .filter(lambda t: t != (Q, 1))
+        .map(  # (Q, 1): (Q, H), valid
+            lambda t: ("shape+-", np.zeros((t[0], H + t[1] - 1), np.float32), ("noise_embed", "shape"))
+        ),
         bad_dtypes.map(lambda d: (f"dtype {d}", np.zeros((Q, H), d), ("noise_embed", "float", "dtype"))),
         st.tuples(st.integers(0, Q - 1), st.integers(0, H - 1), st.sampled_from([np.nan, np.inf, -np.inf])).map(
-            lambda t: ("nonfinite", poke(NOISE, t[0], t[1], t[2]), ("nan", "inf"))),
-        st.sampled_from([None, "noise", {}, 3.0]).map(lambda v: (f"object {v!r}", v, ("noise_embed", "shape", "float"))),
+            lambda t: ("nonfinite", poke(NOISE, t[0], t[1], t[2]), ("nan", "inf"))
+        ),
+        st.sampled_from([None, "noise", {}, 3.0]).map(
+            lambda v: (f"object {v!r}", v, ("noise_embed", "shape", "float"))
+        ),
     )
-    noise_ok = st.sampled_from(["f16", "f64", "fortran", "strided", "readonly", "list"]).map(lambda k: (k, variant(NOISE, k)))
+    noise_ok = st.sampled_from(["f16", "f64", "fortran", "strided", "readonly", "list"]).map(
+        lambda k: (k, variant(NOISE, k))
+    )
     commit_bad = st.one_of(
         st.integers(max_value=0).map(lambda c: (c, ("committed",))),
         st.sampled_from([-(2**63), -(2**70)]).map(lambda c: (c, ("committed",))),
@@ -90,7 +118,8 @@ def step_inputs(fz: FuzzRun) -> None:
         not_ints.map(lambda c: (c, ("committed",))),
     )
     commit_ok = st.sampled_from(COMMITS).flatmap(
-        lambda c: st.sampled_from([c, np.int64(c), np.uint32(c), np.int16(c)]).map(lambda v: (c, v)))
+        lambda c: st.sampled_from([c, np.int64(c), np.uint32(c), np.int16(c)]).map(lambda v: (c, v))
+    )
     ring_bad = st.one_of(
         st.integers(1, 30).map(lambda c: (small_ring, c, ("overwritten",))),
         st.integers(1, 10).map(lambda c: (wrong_ring, c, ("fc_in",))),
@@ -129,6 +158,7 @@ def step_inputs(fz: FuzzRun) -> None:
     run()
     cache.close()
 
+
 def construct(fz: FuzzRun) -> None:
     base = objects()
     lm = (rng0.standard_normal((40, H)) / 8).astype(np.float32)
@@ -143,36 +173,56 @@ def construct(fz: FuzzRun) -> None:
 
     def matrix_bad(name):
         return st.one_of(
-            st.tuples(st.integers(1, 50), st.integers(1, 2 * H)).filter(lambda s: s[1] != H).map(
-                lambda s: (np.zeros(s, np.float32), (name, "hidden", "shape"))),
+            st.tuples(st.integers(1, 50), st.integers(1, 2 * H))
+            .filter(lambda s: s[1] != H)
+            .map(lambda s: (np.zeros(s, np.float32), (name, "hidden", "shape"))),
             st.integers(1, 50).map(lambda n: (np.zeros(n, np.float32), (name, "shape", "array"))),
             st.just((np.zeros((2, 3, H), np.float32), (name, "shape", "array"))),
-            bad_dtypes.filter(lambda d: d is not np.bool_).map(lambda d: (np.zeros((40, H), d), (name, "float", "dtype"))),
+            bad_dtypes.filter(lambda d: d is not np.bool_).map(
+                lambda d: (np.zeros((40, H), d), (name, "float", "dtype"))
+            ),
             st.sampled_from([np.nan, np.inf]).map(lambda v: (poke(lm, 3, 5, v), (name, "nan", "inf"))),
             st.just((wrong_tensor, (name, "hidden"))),
         )
 
     bad = st.one_of(
         st.one_of(st.integers(max_value=0), st.integers(dkv.MAX_CAP + 1, 2**70), not_ints).map(
-            lambda v: ("cap", dict(cap=v), ("cap",))),
-        st.text(max_size=4).filter(lambda s: s not in dkv.CACHE_TYPES).map(lambda v: ("cache_type", dict(cache_type=v), ("cache_type",))),
-        st.sampled_from(["q8_0", "bf16", "F16", None, 1]).map(lambda v: ("cache_type", dict(cache_type=v), ("cache_type",))),
-        st.one_of(st.text(max_size=4), st.sampled_from(["SEED", None, True])).filter(lambda s: s not in dkv.SWA_MODES).map(
-            lambda v: ("swa", dict(swa=v), ("swa",))),
+            lambda v: ("cap", dict(cap=v), ("cap",))
+        ),
+        st.text(max_size=4)
+        .filter(lambda s: s not in dkv.CACHE_TYPES)
+        .map(lambda v: ("cache_type", dict(cache_type=v), ("cache_type",))),
+        st.sampled_from(["q8_0", "bf16", "F16", None, 1]).map(
+            lambda v: ("cache_type", dict(cache_type=v), ("cache_type",))
+        ),
+        st.one_of(st.text(max_size=4), st.sampled_from(["SEED", None, True]))
+        .filter(lambda s: s not in dkv.SWA_MODES)
+        .map(lambda v: ("swa", dict(swa=v), ("swa",))),
         matrix_bad("lm_head").map(lambda t: ("lm_head", dict(lm_head=t[0]), t[1])),
         matrix_bad("embed_tokens").map(lambda t: ("embed_tokens", dict(embed_tokens=t[0]), t[1])),
         st.sampled_from([W, None, "weights", closed_weights]).map(
-            lambda v: ("weights", dict(weights=v), ("backendweights", "closed"))),
-        st.sampled_from([None, "cpu", bw, closed_backend]).map(lambda v: ("backend", dict(backend=v), ("backend", "closed"))),
-        st.one_of(st.text(max_size=4).filter(lambda v: v != "q8_0"), st.sampled_from(["Q8_0", "q4_0", "f16", 1, True])).map(
-            lambda v: ("lm_head_screen", dict(lm_head=lm, lm_head_screen=v), ("lm_head_screen",))),
+            lambda v: ("weights", dict(weights=v), ("backendweights", "closed"))
+        ),
+        st.sampled_from([None, "cpu", bw, closed_backend]).map(
+            lambda v: ("backend", dict(backend=v), ("backend", "closed"))
+        ),
+        st.one_of(
+            st.text(max_size=4).filter(lambda v: v != "q8_0"), st.sampled_from(["Q8_0", "q4_0", "f16", 1, True])
+        ).map(lambda v: ("lm_head_screen", dict(lm_head=lm, lm_head_screen=v), ("lm_head_screen",))),
         st.just(("lm_head_screen", dict(lm_head_screen="q8_0"), ("lm_head_screen", "lm_head"))),
         st.just(("lm_head_screen", dict(lm_head=lm, lm_head_dtype="q8_0", lm_head_screen="q8_0"), ("screen", "q8_0"))),
     )
-    good = st.fixed_dictionaries({
-        "cap": st.integers(1, 70), "cache_type": st.sampled_from(dkv.CACHE_TYPES), "swa": st.sampled_from(dkv.SWA_MODES),
-        "lm": st.booleans(), "committed": st.integers(1, 60), "oneshot": st.booleans(), "screen": st.booleans(),
-    })
+    good = st.fixed_dictionaries(
+        {
+            "cap": st.integers(1, 70),
+            "cache_type": st.sampled_from(dkv.CACHE_TYPES),
+            "swa": st.sampled_from(dkv.SWA_MODES),
+            "lm": st.booleans(),
+            "committed": st.integers(1, 60),
+            "oneshot": st.booleans(),
+            "screen": st.booleans(),
+        }
+    )
 
     @fz.fuzz
     @given(data=st.data(), valid=st.integers(0, 3))
@@ -193,15 +243,19 @@ def construct(fz: FuzzRun) -> None:
                     c.compute()
                     hidden = c.hidden_states.numpy().astype(np.float64)
                     assert (c.draft_ids.numpy() == np.argmax(hidden @ lm.astype(np.float64).T, axis=1)).all(), g
-            want = R.reference_step(W, FEATS, g["committed"], g["cap"], NOISE, swa=g["swa"],
-                                    lm_head=lm if g["lm"] else None)
+            want = R.reference_step(
+                W, FEATS, g["committed"], g["cap"], NOISE, swa=g["swa"], lm_head=lm if g["lm"] else None
+            )
             assert relative_error(got, want) < (1e-4 if g["cache_type"] == "f32" else 5e-3), g
         else:
             what, kw, words = data.draw(bad)
             args = dict(weights=bw, backend=backend, cap=CAP)
             args.update(kw)
-            cls = data.draw(st.sampled_from([DraftKvCache, OneShotDrafter])) \
-                if what not in ("embed_tokens", "lm_head_screen") else DraftKvCache
+            cls = (
+                data.draw(st.sampled_from([DraftKvCache, OneShotDrafter]))
+                if what not in ("embed_tokens", "lm_head_screen")
+                else DraftKvCache
+            )
             if cls is OneShotDrafter and what == "lm_head" and kw["lm_head"] is wrong_tensor:
                 cls = DraftKvCache  # the one-shot graph takes a Tensor head as given
             fz.expect_error(lambda: cls(**args), words, f"{cls.__name__}({what}={short(kw)})")
@@ -211,15 +265,42 @@ def construct(fz: FuzzRun) -> None:
     t_buf.close()
     t_ctx.close()
 
+
 def weights_config(fz: FuzzRun) -> None:
     names = list(expected_shapes(CFG))
     host = {k: np.array(v) for k, v in W.items()}
-    fields = ["hidden", "n_layer", "n_head", "n_head_kv", "head_dim", "ffn", "block_size", "n_target_layers",
-              "rms_eps", "rope_theta", "freq_scale", "ext_factor", "attn_factor", "swa_window", "n_ctx_orig",
-              "mask_token_id", "vocab", "layer_types", "final_logit_softcapping", "target_layer_ids",
-              "input_embedding_scale", "output_multiplier"]
-    values = st.one_of(st.integers(-3, 70), st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
-                       st.text(max_size=3), st.lists(st.sampled_from(["full", "sliding", "swa", 1]), max_size=3))
+    fields = [
+        "hidden",
+        "n_layer",
+        "n_head",
+        "n_head_kv",
+        "head_dim",
+        "ffn",
+        "block_size",
+        "n_target_layers",
+        "rms_eps",
+        "rope_theta",
+        "freq_scale",
+        "ext_factor",
+        "attn_factor",
+        "swa_window",
+        "n_ctx_orig",
+        "mask_token_id",
+        "vocab",
+        "layer_types",
+        "final_logit_softcapping",
+        "target_layer_ids",
+        "input_embedding_scale",
+        "output_multiplier",
+    ]
+    values = st.one_of(
+        st.integers(-3, 70),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.booleans(),
+        st.none(),
+        st.text(max_size=3),
+        st.lists(st.sampled_from(["full", "sliding", "swa", 1]), max_size=3),
+    )
     mutation = st.one_of(
         st.sampled_from(names).map(lambda n: ("missing", n)),
         st.text(min_size=1, max_size=12).filter(lambda n: n not in host).map(lambda n: ("extra", n)),
@@ -231,8 +312,11 @@ def weights_config(fz: FuzzRun) -> None:
     )
 
     @fz.fuzz
-    @given(which=st.sampled_from(["weights", "config"]), mut=mutation,
-           changes=st.dictionaries(st.sampled_from(fields), values, min_size=1, max_size=3))
+    @given(
+        which=st.sampled_from(["weights", "config"]),
+        mut=mutation,
+        changes=st.dictionaries(st.sampled_from(fields), values, min_size=1, max_size=3),
+    )
     def run(which, mut, changes):
         if which == "config":
             kw = dict(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=32, ffn=96, block_size=4, n_target_layers=2)
@@ -241,12 +325,15 @@ def weights_config(fz: FuzzRun) -> None:
             try:
                 cfg = DraftConfig(**kw)
             except ConfigError as exc:
-                assert any(k in str(exc) for k in changes) or "swa" in str(exc) or "layer" in str(exc), \
+                assert any(k in str(exc) for k in changes) or "swa" in str(exc) or "layer" in str(exc), (
                     f"ConfigError({exc}) does not name one of {list(changes)}"
+                )
                 fz.stats["errors"] += 1
                 return
             except BaseException as exc:
-                raise AssertionError(f"DraftConfig({changes}) raised {type(exc).__name__}({exc}), not ConfigError") from exc
+                raise AssertionError(
+                    f"DraftConfig({changes}) raised {type(exc).__name__}({exc}), not ConfigError"
+                ) from exc
             cfg.validate()  # a config that validated stays valid
             return
         kind, arg = mut
@@ -260,7 +347,13 @@ def weights_config(fz: FuzzRun) -> None:
         elif kind == "shape":
             name, d = arg
             a = tensors[name]
-            tensors[name] = np.zeros(a.shape[:-1] + (a.shape[-1] + (d or 1),), np.float32) if d >= 0 else a.T.copy() if a.ndim == 2 and a.shape[0] != a.shape[1] else a[..., :-1]
+            tensors[name] = (
+                np.zeros(a.shape[:-1] + (a.shape[-1] + (d or 1),), np.float32)
+                if d >= 0
+                else a.T.copy()
+                if a.ndim == 2 and a.shape[0] != a.shape[1]
+                else a[..., :-1]
+            )
             fz.expect_error(lambda: DraftWeights(CFG, tensors), (name, "shape"), f"{name} reshaped")
         elif kind == "dtype":
             name, dt = arg
@@ -285,28 +378,37 @@ def weights_config(fz: FuzzRun) -> None:
                 fz.expect_error(lambda: W.to_backend(backend, arg), ("dtype",), f"upload as {arg!r}")
             assert objects() == base
         else:
-            fz.expect_error(lambda: BackendWeights(arg, backend), ("draftweights",), f"BackendWeights({type(arg).__name__})")
+            fz.expect_error(
+                lambda: BackendWeights(arg, backend), ("draftweights",), f"BackendWeights({type(arg).__name__})"
+            )
 
     run()
     # q8_0 refuses matrices whose rows are not whole blocks, naming them
     odd = DraftConfig(hidden=48, n_layer=1, n_head=2, n_head_kv=1, head_dim=24, ffn=80, block_size=4, n_target_layers=2)
-    fz.expect_error(lambda: DraftWeights.random(odd).to_backend(backend, "q8_0"), ("q8_0", "multiple", "block"), "odd q8_0")
+    fz.expect_error(
+        lambda: DraftWeights.random(odd).to_backend(backend, "q8_0"), ("q8_0", "multiple", "block"), "odd q8_0"
+    )
     # weights of another config: the C-style API refuses them, the cache refuses the other ring
     other_cfg = CFG.replace(hidden=32, head_dim=16, n_target_layers=3)
     with DraftWeights.random(other_cfg).to_backend(backend, "f32") as other:
         st_ = DraftKvState()
         draft_kv_init(st_, bw, backend, CAP, cache_type="f32")
-        fz.expect_error(lambda: draft_kv_begin_step(st_, other, backend, RING, 5), ("weights",), "begin_step, other weights")
+        fz.expect_error(
+            lambda: draft_kv_begin_step(st_, other, backend, RING, 5), ("weights",), "begin_step, other weights"
+        )
         other_ring = FeatureRing(16, other_cfg.fc_in)
         other_ring.append(np.zeros((4, other_cfg.fc_in), np.float32))
         fz.expect_error(lambda: st_.cache.step(other_ring, 4, NOISE), ("fc_in",), "ring of another config")
         with DraftKvCache(other, backend, CAP) as oc:
-            fz.expect_error(lambda: oc.step(RING, 5, np.zeros((Q, 32), np.float32)), ("fc_in",), "ring of another config 2")
+            fz.expect_error(
+                lambda: oc.step(RING, 5, np.zeros((Q, 32), np.float32)), ("fc_in",), "ring of another config 2"
+            )
             fz.expect_error(lambda: oc.step(other_ring, 4, NOISE), ("noise_embed",), "noise of another config")
         st_.cache.close()
         still = DraftKvCache(bw, backend, CAP, cache_type="f32")
         still_works(still, 41)
         still.close()
+
 
 def drafter(fz: FuzzRun) -> None:
     vocab = 40
@@ -319,8 +421,11 @@ def drafter(fz: FuzzRun) -> None:
     base = objects()
     bad_tok = st.one_of(st.integers(max_value=-1), st.integers(vocab, 2**70), not_ints, st.just(np.int64(-1)))
     bad_temp = st.one_of(st.floats(max_value=-1e-9), st.sampled_from([np.nan, np.inf, -np.inf, "hot", None, 1j, [1.0]]))
-    bad_top_p = st.one_of(st.floats(max_value=0.0), st.floats(min_value=1.0, exclude_min=True),
-                          st.sampled_from([np.nan, "x", None, [0.5]]))
+    bad_top_p = st.one_of(
+        st.floats(max_value=0.0),
+        st.floats(min_value=1.0, exclude_min=True),
+        st.sampled_from([np.nan, "x", None, [0.5]]),
+    )
     bad_top_k = st.one_of(st.integers(max_value=-1), st.sampled_from([1.5, "k", None, np.nan, [3]]))
     cases = st.one_of(
         st.integers(0, vocab - 1).map(lambda t: ("propose-empty", lambda: empty.propose(t), ("features",))),
@@ -329,30 +434,61 @@ def drafter(fz: FuzzRun) -> None:
         bad_top_p.map(lambda v: (f"top_p={v!r}", lambda: d.propose(3, temperature=1.0, top_p=v), ("top_p",))),
         bad_top_k.map(lambda v: (f"top_k={v!r}", lambda: d.propose(3, temperature=1.0, top_k=v), ("top_k",))),
         small_shapes.filter(lambda s: len(s) not in (1, 2) or s[-1] != FC).map(
-            lambda s: (f"add_features{s}", lambda: d.add_features(np.zeros(s, np.float32)), ("feature", "shape"))),
-        bad_dtypes.map(lambda dt: (f"add_features {dt}", lambda: d.add_features(np.zeros((2, FC), dt)), ("feature", "float", "dtype"))),
-        st.sampled_from([np.nan, np.inf]).map(lambda v: ("add_features nonfinite", lambda: d.add_features(poke(FEATS[:3], 1, 2, v)), ("nan", "inf"))),
+            lambda s: (f"add_features{s}", lambda: d.add_features(np.zeros(s, np.float32)), ("feature", "shape"))
+        ),
+        bad_dtypes.map(
+            lambda dt: (
+                f"add_features {dt}",
+                lambda: d.add_features(np.zeros((2, FC), dt)),
+                ("feature", "float", "dtype"),
+            )
+        ),
+        st.sampled_from([np.nan, np.inf]).map(
+            lambda v: ("add_features nonfinite", lambda: d.add_features(poke(FEATS[:3], 1, 2, v)), ("nan", "inf"))
+        ),
         st.one_of(st.integers(max_value=-1), st.integers(31, 2**40), not_ints).map(
-            lambda v: (f"rewind({v!r})", lambda: d.rewind(v), ("rewind", "truncate", "pos"))),
-        st.one_of(small_shapes.filter(lambda s: s != (Q,)).map(lambda s: np.zeros(s, np.int32)),
-                  st.just(np.zeros(Q, np.float32)), st.just(np.full(Q, vocab, np.int32)), st.just(np.full(Q, -1, np.int64))).map(
-            lambda ids: (f"step_tokens {ids.dtype}{ids.shape}", lambda: d.cache.step_tokens(d.ring, 30, ids), ("token",))),
-        st.text(max_size=5).filter(lambda s: s not in ("ids", "logits", "hidden")).map(
-            lambda o: (f"output={o!r}", lambda: d.cache.step_tokens(d.ring, 30, np.zeros(Q, np.int32), output=o), ("output",))),
+            lambda v: (f"rewind({v!r})", lambda: d.rewind(v), ("rewind", "truncate", "pos"))
+        ),
+        st.one_of(
+            small_shapes.filter(lambda s: s != (Q,)).map(lambda s: np.zeros(s, np.int32)),
+            st.just(np.zeros(Q, np.float32)),
+            st.just(np.full(Q, vocab, np.int32)),
+            st.just(np.full(Q, -1, np.int64)),
+        ).map(
+            lambda ids: (
+                f"step_tokens {ids.dtype}{ids.shape}",
+                lambda: d.cache.step_tokens(d.ring, 30, ids),
+                ("token",),
+            )
+        ),
+        st.text(max_size=5)
+        .filter(lambda s: s not in ("ids", "logits", "hidden"))
+        .map(
+            lambda o: (
+                f"output={o!r}",
+                lambda: d.cache.step_tokens(d.ring, 30, np.zeros(Q, np.int32), output=o),
+                ("output",),
+            )
+        ),
         st.just(("step() on a token cache", lambda: d.cache.step(d.ring, 30, NOISE), ("step_tokens", "token"))),
     )
-    ctor_bad = st.sampled_from([
-        ("weights=None", dict(weights=None), ("weights",)),
-        ("embed hidden", dict(embed_tokens=np.zeros((vocab, H + 1), np.float32)), ("embed_tokens", "hidden")),
-        ("lm 1-D", dict(lm_head=np.zeros(H, np.float32)), ("lm_head", "hidden")),
-        ("vocab mismatch", dict(lm_head=np.zeros((vocab + 1, H), np.float32)), ("rows", "vocab", "embed_tokens")),
-        ("mask id", dict(weights=DraftWeights.random(CFG.replace(mask_token_id=vocab + 3))), ("mask_token_id",)),
-        ("cap", dict(cap=0), ("cap",)), ("ring_cap", dict(ring_cap=-3), ("cap",)),
-        ("ring_dtype", dict(ring_dtype="f64"), ("dtype",)), ("cache_type", dict(cache_type="q4"), ("cache_type",)),
-        ("weight_dtype", dict(weights=W, weight_dtype="f8"), ("dtype",)), ("swa", dict(swa="x"), ("swa",)),
-        ("embed nan", dict(embed_tokens=poke(embed, 0, 0, np.nan)), ("embed_tokens", "nan")),
-        ("own backend + bad cap", dict(backend=None, cap=-1), ("cap",)),
-    ])
+    ctor_bad = st.sampled_from(
+        [
+            ("weights=None", dict(weights=None), ("weights",)),
+            ("embed hidden", dict(embed_tokens=np.zeros((vocab, H + 1), np.float32)), ("embed_tokens", "hidden")),
+            ("lm 1-D", dict(lm_head=np.zeros(H, np.float32)), ("lm_head", "hidden")),
+            ("vocab mismatch", dict(lm_head=np.zeros((vocab + 1, H), np.float32)), ("rows", "vocab", "embed_tokens")),
+            ("mask id", dict(weights=DraftWeights.random(CFG.replace(mask_token_id=vocab + 3))), ("mask_token_id",)),
+            ("cap", dict(cap=0), ("cap",)),
+            ("ring_cap", dict(ring_cap=-3), ("cap",)),
+            ("ring_dtype", dict(ring_dtype="f64"), ("dtype",)),
+            ("cache_type", dict(cache_type="q4"), ("cache_type",)),
+            ("weight_dtype", dict(weights=W, weight_dtype="f8"), ("dtype",)),
+            ("swa", dict(swa="x"), ("swa",)),
+            ("embed nan", dict(embed_tokens=poke(embed, 0, 0, np.nan)), ("embed_tokens", "nan")),
+            ("own backend + bad cap", dict(backend=None, cap=-1), ("cap",)),
+        ]
+    )
 
     @fz.fuzz
     @given(c=cases, ctor=ctor_bad, ok=st.sampled_from(["greedy", "sample", "ctor"]))
@@ -366,7 +502,9 @@ def drafter(fz: FuzzRun) -> None:
         elif ok == "sample":
             fz.case("propose sampling")
             ids, probs = d.propose(7, temperature=0.7, top_k=5, top_p=0.9, rng=np.random.default_rng(1))
-            assert ids.shape == (Q - 1,) and np.allclose(probs.sum(axis=1), 1) and (probs[np.arange(Q - 1), ids] > 0).all()
+            assert (
+                ids.shape == (Q - 1,) and np.allclose(probs.sum(axis=1), 1) and (probs[np.arange(Q - 1), ids] > 0).all()
+            )
         else:
             what, kw, words = ctor
             args = dict(weights=bw, embed_tokens=embed, lm_head=lm, backend=backend, cap=CAP, cache_type="f32")
@@ -379,12 +517,34 @@ def drafter(fz: FuzzRun) -> None:
     d.close()
     empty.close()
 
+
 def lifecycle(fz: FuzzRun) -> None:
-    ops = st.lists(st.sampled_from([
-        "close backend", "close weights", "close cache", "close oneshot", "close graph ctx", "close galloc",
-        "close buffer", "step", "step oneshot", "reset", "begin_step", "compute", "graph compute", "tensor set",
-        "tensor numpy", "new cache", "buffer set", "gc",
-    ]), min_size=1, max_size=8)
+    ops = st.lists(
+        st.sampled_from(
+            [
+                "close backend",
+                "close weights",
+                "close cache",
+                "close oneshot",
+                "close graph ctx",
+                "close galloc",
+                "close buffer",
+                "step",
+                "step oneshot",
+                "reset",
+                "begin_step",
+                "compute",
+                "graph compute",
+                "tensor set",
+                "tensor numpy",
+                "new cache",
+                "buffer set",
+                "gc",
+            ]
+        ),
+        min_size=1,
+        max_size=8,
+    )
 
     @fz.fuzz
     @given(seq=ops)
@@ -403,7 +563,15 @@ def lifecycle(fz: FuzzRun) -> None:
         galloc = Gallocr(be)
         galloc.alloc_graph(graph)
         closed = set()
-        objs = {"backend": be, "weights": w, "cache": cache, "oneshot": one, "graph ctx": gctx, "galloc": galloc, "buffer": buf}
+        objs = {
+            "backend": be,
+            "weights": w,
+            "cache": cache,
+            "oneshot": one,
+            "graph ctx": gctx,
+            "galloc": galloc,
+            "buffer": buf,
+        }
         fz.case(f"lifecycle {seq}")
         for op in seq:
             usable = not ({"backend", "weights", "cache"} & closed)
@@ -418,16 +586,27 @@ def lifecycle(fz: FuzzRun) -> None:
                 continue
             fn, ok, words = {
                 "step": (lambda: cache.step(RING, 23, NOISE), usable, ("closed",)),
-                "step oneshot": (lambda: one.step(RING, 23, NOISE), not ({"backend", "weights", "oneshot"} & closed), ("closed",)),
+                "step oneshot": (
+                    lambda: one.step(RING, 23, NOISE),
+                    not ({"backend", "weights", "oneshot"} & closed),
+                    ("closed",),
+                ),
                 "reset": (cache.reset, usable, ("closed",)),
                 "begin_step": (lambda: cache.begin_step(RING, 41), usable, ("closed",)),
                 "compute": (cache.compute, usable, ("closed",)),
                 "graph compute": (lambda: cache.gf.compute(be), usable, ("closed",)),
                 "tensor set": (lambda: cache.inp_embed.set(NOISE), "cache" not in closed, ("closed",)),
                 "tensor numpy": (lambda: cache.hidden_states.numpy(), "cache" not in closed, ("closed",)),
-                "new cache": (lambda: DraftKvCache(w, be, CAP, cache_type="f32").close(), not ({"backend", "weights"} & closed), ("closed",)),
-                "buffer set": (lambda: (graph.compute(be), a.set(np.ones((2, 8), np.float32))),
-                               not ({"backend", "buffer", "graph ctx", "galloc"} & closed), ("closed",)),
+                "new cache": (
+                    lambda: DraftKvCache(w, be, CAP, cache_type="f32").close(),
+                    not ({"backend", "weights"} & closed),
+                    ("closed",),
+                ),
+                "buffer set": (
+                    lambda: (graph.compute(be), a.set(np.ones((2, 8), np.float32))),
+                    not ({"backend", "buffer", "graph ctx", "galloc"} & closed),
+                    ("closed",),
+                ),
             }[op]
             if ok:
                 fz.case(f"  {op} (valid)")
@@ -444,6 +623,7 @@ def lifecycle(fz: FuzzRun) -> None:
     base = objects()
     run()
     assert objects() == base, f"lifecycle leaked {objects()} vs {base}"
+
 
 def ring(fz: FuzzRun) -> None:
     op = st.one_of(
@@ -470,10 +650,14 @@ def ring(fz: FuzzRun) -> None:
             if o[0] in ("append", "write"):
                 pos = written if o[0] == "append" else o[1]
                 n = o[1] if o[0] == "append" else o[2]
-                rows = src[nxt:nxt + n]
+                rows = src[nxt : nxt + n]
                 nxt = (nxt + n) % 150
                 if pos < 0 or pos > written or pos < oldest:
-                    fz.expect_error(lambda: r.write(pos, rows), ("position",), f"write at {pos} (written {written}, oldest {oldest})")
+                    fz.expect_error(
+                        lambda: r.write(pos, rows),
+                        ("position",),
+                        f"write at {pos} (written {written}, oldest {oldest})",
+                    )
                     continue
                 fz.case(f"write {n} at {pos}")
                 r.write(pos, rows)
@@ -492,8 +676,11 @@ def ring(fz: FuzzRun) -> None:
             elif o[0] == "read":
                 start, n = o[1], o[2]
                 if n < 0 or start < 0 or (n > 0 and (start < oldest or start + n > written)):
-                    fz.expect_error(lambda: r.read(start, n), ("range", "overwritten", "never written", "position"),
-                                 f"read {start}+{n} of [{oldest}, {written})")
+                    fz.expect_error(
+                        lambda: r.read(start, n),
+                        ("range", "overwritten", "never written", "position"),
+                        f"read {start}+{n} of [{oldest}, {written})",
+                    )
                     continue
                 fz.case(f"read {start}+{n}")
                 got = r.read(start, n)
@@ -504,14 +691,27 @@ def ring(fz: FuzzRun) -> None:
                 r.clear()
                 written = oldest = 0
             elif o[0] == "bad_rows":
-                bad = [np.zeros((2, 5), np.float32), np.zeros((2, 4), np.int32), poke(np.zeros((2, 4), np.float32), 1, 1, np.nan),
-                       np.zeros((2, 2, 4), np.float32), "rows"][o[1]]
-                fz.expect_error(lambda: r.append(bad), ("feature", "nan", "float", "shape"), f"append {type(bad).__name__}")
+                bad = [
+                    np.zeros((2, 5), np.float32),
+                    np.zeros((2, 4), np.int32),
+                    poke(np.zeros((2, 4), np.float32), 1, 1, np.nan),
+                    np.zeros((2, 2, 4), np.float32),
+                    "rows",
+                ][o[1]]
+                fz.expect_error(
+                    lambda: r.append(bad), ("feature", "nan", "float", "shape"), f"append {type(bad).__name__}"
+                )
             else:
                 fz.expect_error(lambda: r.write(o[1], src[:1]), ("pos",), f"write at {o[1]!r}")
             assert (r.written, r.oldest, len(r)) == (written, oldest, written - oldest)
 
     run()
-    for bad in (dict(cap=0, fc_in=4), dict(cap=3, fc_in=-1), dict(cap=True, fc_in=4), dict(cap=3, fc_in=4, dtype="i8"),
-                dict(cap=3.0, fc_in=4), dict(cap=2**40, fc_in=2**20)):
+    for bad in (
+        dict(cap=0, fc_in=4),
+        dict(cap=3, fc_in=-1),
+        dict(cap=True, fc_in=4),
+        dict(cap=3, fc_in=4, dtype="i8"),
+        dict(cap=3.0, fc_in=4),
+        dict(cap=2**40, fc_in=2**20),
+    ):
         fz.expect_error(lambda: FeatureRing(**bad), ("cap", "fc_in", "dtype", "large"), f"FeatureRing({bad})")

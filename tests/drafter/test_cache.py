@@ -17,8 +17,8 @@ from pyggml_dkv import (
     draft_kv_reset,
 )
 from pyggml_dkv import reference as R
-from pyggml_dkv.ggml import GGMLError, live_objects
 from pyggml_dkv.common.numeric import relative_error
+from pyggml_dkv.ggml import GGMLError, live_objects
 
 SMALL = dict(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=64, ffn=128, block_size=8, n_target_layers=2)
 
@@ -78,7 +78,7 @@ def test_graph_built_once_and_never_reallocated(small, cpu):
         feats = np.random.default_rng(2).standard_normal((1100, cfg.fc_in)).astype(np.float32)
         for _ in range(1000):
             step = int(rng.integers(1, cfg.block_size + 1))
-            ring2.append(feats[committed:committed + step] if ring2.written else feats[: committed + step])
+            ring2.append(feats[committed : committed + step] if ring2.written else feats[: committed + step])
             committed = ring2.written
             c.step(ring2, committed, noise)
         assert c.gf.n_nodes == n_nodes
@@ -151,7 +151,7 @@ def test_ring_wraps_many_times(small, cpu):
         committed = 0
         for step in range(160):
             n = 1 + step % 9
-            ring.append(feats[committed:committed + n])
+            ring.append(feats[committed : committed + n])
             committed += n
             got = c.step(ring, committed, noise)
             if step % 10 == 0:
@@ -201,7 +201,7 @@ def test_swa_mask(cpu, swa):
         groups = cfg.n_head // cfg.n_head_kv
         assert c.fold_gqa and groups > 1 and vis.shape == (q * groups, c.kv_total) and c.mask_rows == q * groups
         for gi in range(1, groups):
-            np.testing.assert_array_equal(vis[gi * q:(gi + 1) * q], vis[:q])
+            np.testing.assert_array_equal(vis[gi * q : (gi + 1) * q], vis[:q])
         for j in range(q):
             ring_part = vis[j, :37]
             seen = sorted(int(c.slot_pos[s]) for s in np.nonzero(ring_part)[0])
@@ -209,8 +209,8 @@ def test_swa_mask(cpu, swa):
                 assert seen == list(range(committed - 10, committed))
             else:  # per row: (committed + j) - p < window
                 assert seen == list(range(committed + j - 9, committed))
-            assert vis[j, 37:37 + q].tolist() == [i <= j for i in range(q)]  # causal noise
-            assert not vis[j, 37 + q:].any()
+            assert vis[j, 37 : 37 + q].tolist() == [i <= j for i in range(q)]  # causal noise
+            assert not vis[j, 37 + q :].any()
         assert visible_columns(c.mask_full)[0, :37].all()
 
 
@@ -236,7 +236,7 @@ def test_nan_poisoning_of_unused_memory_never_reaches_outputs(cpu):
         c.ap_feat.set(np.full((c.a_step, c.fc_in), np.nan, dtype=np.float32))
         committed = 0
         for n in (3, 5, 1, 30, 7, 60, 2, 100):
-            ring.append(feats[committed:committed + n])
+            ring.append(feats[committed : committed + n])
             committed += n
             got = c.step(ring, committed, noise)
             assert np.isfinite(got).all(), f"NaN leaked at committed={committed}"
@@ -244,7 +244,7 @@ def test_nan_poisoning_of_unused_memory_never_reaches_outputs(cpu):
 
 
 def test_lm_head_array_and_tensor(small, cpu):
-    from pyggml_dkv.model.backend_weights import upload_matrix
+    from pyggml_dkv.drafter.backend_weights import upload_matrix
 
     cfg, w, bw = small
     ring, feats = feature_ring(cfg, 50)
@@ -289,11 +289,13 @@ def test_lm_head_dtype(cpu, head_dtype, tol):
     lm = np.random.default_rng(4).standard_normal((64, cfg.hidden)).astype(np.float32)
     noise = noise_for(cfg)
     want = R.reference_step(w, feats, 50, 37, noise, lm_head=lm)
-    with w.to_backend(cpu, "f16") as bw:
-        with DraftKvCache(bw, cpu, 37, lm_head=lm, cache_type="f32") as same, \
-                DraftKvCache(bw, cpu, 37, lm_head=lm, cache_type="f32", lm_head_dtype=head_dtype) as own:
-            assert same.lm_head.type == "f16" and own.lm_head.type == head_dtype
-            base, got = same.step(ring, 50, noise), own.step(ring, 50, noise)
+    with (
+        w.to_backend(cpu, "f16") as bw,
+        DraftKvCache(bw, cpu, 37, lm_head=lm, cache_type="f32") as same,
+        DraftKvCache(bw, cpu, 37, lm_head=lm, cache_type="f32", lm_head_dtype=head_dtype) as own,
+    ):
+        assert same.lm_head.type == "f16" and own.lm_head.type == head_dtype
+        base, got = same.step(ring, 50, noise), own.step(ring, 50, noise)
     assert relative_error(base, want) < 3e-3
     err = relative_error(got, want)
     assert err < tol, err
@@ -303,7 +305,7 @@ def test_lm_head_dtype(cpu, head_dtype, tol):
 
 
 def test_lm_head_dtype_refusals(small, cpu):
-    from pyggml_dkv.model.backend_weights import upload_matrix
+    from pyggml_dkv.drafter.backend_weights import upload_matrix
 
     cfg, w, bw = small
     lm = np.zeros((8, cfg.hidden), np.float32)
@@ -403,8 +405,13 @@ def test_threads_agree(cpu, weight_type):
     cfg, w = make({"n_head": 4, "n_head_kv": 1, "block_size": 16})  # folded GQA: the tiled attention kernel
     ring, feats = feature_ring(cfg, 300)
     noise = noise_for(cfg)
-    with Backend("cpu", n_threads=2) as two, w.to_backend(cpu, weight_type) as bw1, w.to_backend(two, weight_type) as bw2, \
-            DraftKvCache(bw1, cpu, 100, cache_type="f32") as c1, DraftKvCache(bw2, two, 100, cache_type="f32") as c2:
+    with (
+        Backend("cpu", n_threads=2) as two,
+        w.to_backend(cpu, weight_type) as bw1,
+        w.to_backend(two, weight_type) as bw2,
+        DraftKvCache(bw1, cpu, 100, cache_type="f32") as c1,
+        DraftKvCache(bw2, two, 100, cache_type="f32") as c2,
+    ):
         assert (bw2.n_repacked > 0) == (weight_type == "q8_0" and (amx_available() or vnni_available()))
         for committed in (5, 40, 41, 150, 300):
             assert relative_error(c2.step(ring, committed, noise), c1.step(ring, committed, noise)) < 1e-5
@@ -419,12 +426,16 @@ def test_bf16_attention(cpu, cpu_runs_bf16_attention, cache_type):
 
     if not bf16_attention_supported():
         pytest.skip("ggml built without our bf16 attention kernel (fa-bf16)")
-    cfg, w = make({"n_head": 4, "n_head_kv": 1, "block_size": 16, "layer_types": ["full", "sliding"],
-                   "swa_window": 50})  # folded GQA (64 rows), head_dim 64
+    cfg, w = make(
+        {"n_head": 4, "n_head_kv": 1, "block_size": 16, "layer_types": ["full", "sliding"], "swa_window": 50}
+    )  # folded GQA (64 rows), head_dim 64
     ring, feats = feature_ring(cfg, 400)
     noise = noise_for(cfg)
-    with w.to_backend(cpu, "f32") as bw, DraftKvCache(bw, cpu, 100, cache_type=cache_type, attention="bf16") as fast, \
-            DraftKvCache(bw, cpu, 100, cache_type=cache_type) as exact:
+    with (
+        w.to_backend(cpu, "f32") as bw,
+        DraftKvCache(bw, cpu, 100, cache_type=cache_type, attention="bf16") as fast,
+        DraftKvCache(bw, cpu, 100, cache_type=cache_type) as exact,
+    ):
         assert fast.attention == "bf16" and exact.attention == "f32"
         nan_rows = np.full((fast.kv_total, fast.k_cache[0].ne[0]), np.nan, dtype=np.float32)
         for t in (*fast.k_cache, *fast.v_cache):

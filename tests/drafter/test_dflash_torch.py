@@ -36,12 +36,13 @@ torch = pytest.importorskip("torch", exc_type=ImportError)
 transformers = pytest.importorskip("transformers", exc_type=ImportError)
 dflash_model = pytest.importorskip("dflash.model", exc_type=ImportError)
 
-from tests.torch_threads import torch_threads  # noqa: E402
-from pyggml_dkv.common.numeric import relative_error  # noqa: E402
 from pyggml_dkv import reference as R  # noqa: E402
-from pyggml_dkv.model.weights import load_checkpoint  # noqa: E402
+from pyggml_dkv.common.numeric import relative_error  # noqa: E402
 from pyggml_dkv.model.config import DraftConfig  # noqa: E402
-from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
+from pyggml_dkv.model.weights import DraftWeights, load_checkpoint  # noqa: E402
+from tests.torch_threads import torch_threads  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the PyTorch reference model: the slow tier
 
 TOL = 1e-4  # max|a-b| / max|b|, dflash in float32 vs the float64 reference
 
@@ -55,15 +56,34 @@ def _few_threads():
         yield
 
 
-def qwen3_config(*, layer_types=None, sliding_window=None, rope_theta=10000.0, rope_scaling=None,
-                 max_position_embeddings=32768, dflash_extra=None):
+def qwen3_config(
+    *,
+    layer_types=None,
+    sliding_window=None,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    max_position_embeddings=32768,
+    dflash_extra=None,
+):
     """A Qwen3Config as dflash checkpoints carry it (rope given the transformers-4.x way, which 5.x converts)."""
     kwargs = dict(
-        hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD,
-        num_key_value_heads=N_HEAD_KV, head_dim=HEAD_DIM, vocab_size=VOCAB, rms_norm_eps=1e-6,
-        max_position_embeddings=max_position_embeddings, num_target_layers=8, rope_theta=rope_theta,
-        dflash_config={"block_size": BLOCK, "mask_token_id": MASK_ID, "target_layer_ids": TARGET_IDS,
-                       **(dflash_extra or {})},
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=N_LAYER,
+        num_attention_heads=N_HEAD,
+        num_key_value_heads=N_HEAD_KV,
+        head_dim=HEAD_DIM,
+        vocab_size=VOCAB,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=max_position_embeddings,
+        num_target_layers=8,
+        rope_theta=rope_theta,
+        dflash_config={
+            "block_size": BLOCK,
+            "mask_token_id": MASK_ID,
+            "target_layer_ids": TARGET_IDS,
+            **(dflash_extra or {}),
+        },
     )
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
@@ -130,13 +150,24 @@ CASES = {
         max_position_embeddings=16384,
     ),
     "yarn4-attn0.8-beta": dict(
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
-                      "attention_factor": 0.8, "beta_fast": 16.0, "beta_slow": 2.0},
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 2048,
+            "attention_factor": 0.8,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+        },
         max_position_embeddings=8192,
     ),
     "yarn8-mscale": dict(
-        rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024,
-                      "mscale": 0.707, "mscale_all_dim": 1.0},
+        rope_scaling={
+            "type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 1024,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
         max_position_embeddings=8192,
     ),
 }
@@ -159,17 +190,32 @@ def test_dflash_checkpoint_forward_matches_reference(tmp_path, parity_log, case)
 
 
 def test_config_mapping_of_a_dflash_checkpoint(tmp_path):
-    model = random_dflash(qwen3_config(
-        layer_types=["sliding_attention", "full_attention"], sliding_window=5,
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                      "attention_factor": 0.8, "beta_fast": 16.0, "beta_slow": 2.0},
-        max_position_embeddings=256,
-        dflash_extra={"output_multiplier": 0.5, "final_logit_softcapping": 30.0, "input_embedding_scale": 2.0},
-    ))
+    model = random_dflash(
+        qwen3_config(
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=5,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "attention_factor": 0.8,
+                "beta_fast": 16.0,
+                "beta_slow": 2.0,
+            },
+            max_position_embeddings=256,
+            dflash_extra={"output_multiplier": 0.5, "final_logit_softcapping": 30.0, "input_embedding_scale": 2.0},
+        )
+    )
     model.save_pretrained(tmp_path)
     cfg = load_checkpoint(tmp_path).cfg
     assert (cfg.hidden, cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.ffn) == (
-        HIDDEN, N_LAYER, N_HEAD, N_HEAD_KV, HEAD_DIM, FFN)
+        HIDDEN,
+        N_LAYER,
+        N_HEAD,
+        N_HEAD_KV,
+        HEAD_DIM,
+        FFN,
+    )
     assert (cfg.block_size, cfg.n_target_layers, cfg.target_layer_ids) == (BLOCK, 3, TARGET_IDS)
     assert (cfg.mask_token_id, cfg.vocab, cfg.rms_eps) == (MASK_ID, VOCAB, 1e-6)
     assert cfg.layer_types == ["sliding", "full"] and cfg.swa_window == 5
@@ -195,8 +241,9 @@ def test_logits_match_compute_logits(tmp_path, parity_log):
     with torch.no_grad():
         got = model.compute_logits(torch.from_numpy(hidden).float()[None], head)[0].double().numpy()
     assert np.abs(got).max() > 2.0  # the soft cap (3.0) is exercised
-    want = R.draft_forward(w, feats, np.arange(committed - ctx_len, committed), noise, committed,
-                           swa="per_row", lm_head=lm_head)
+    want = R.draft_forward(
+        w, feats, np.arange(committed - ctx_len, committed), noise, committed, swa="per_row", lm_head=lm_head
+    )
     err = relative_error(got, want)
     parity_log("dflash torch vs reference", "logits f32 vs f64", err, "softcap 3, multiplier 0.7")
     assert err <= TOL
@@ -230,10 +277,26 @@ def test_dflash_cached_steps_match_reference(tmp_path, parity_log, case):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dflash_loads_our_checkpoint(tmp_path, parity_log, dtype):
     """save_pretrained here -> DFlashDraftModel.from_pretrained: same weights, same forward."""
-    cfg = DraftConfig(hidden=HIDDEN, n_layer=N_LAYER, n_head=N_HEAD, n_head_kv=N_HEAD_KV, head_dim=HEAD_DIM,
-                      ffn=FFN, block_size=BLOCK, n_target_layers=3, target_layer_ids=TARGET_IDS,
-                      mask_token_id=MASK_ID, vocab=VOCAB, rope_theta=1e6, layer_types=["full", "sliding"],
-                      swa_window=6, freq_scale=0.5, ext_factor=1.0, n_ctx_orig=128, attn_factor=0.9)
+    cfg = DraftConfig(
+        hidden=HIDDEN,
+        n_layer=N_LAYER,
+        n_head=N_HEAD,
+        n_head_kv=N_HEAD_KV,
+        head_dim=HEAD_DIM,
+        ffn=FFN,
+        block_size=BLOCK,
+        n_target_layers=3,
+        target_layer_ids=TARGET_IDS,
+        mask_token_id=MASK_ID,
+        vocab=VOCAB,
+        rope_theta=1e6,
+        layer_types=["full", "sliding"],
+        swa_window=6,
+        freq_scale=0.5,
+        ext_factor=1.0,
+        n_ctx_orig=128,
+        attn_factor=0.9,
+    )
     w = DraftWeights.random(cfg, seed=3)
     w.save_pretrained(tmp_path, dtype=dtype)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == dtype

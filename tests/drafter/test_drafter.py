@@ -22,9 +22,26 @@ VOCAB = 200
 
 
 def make_drafter(cpu, swa="seed", **changes):
-    cfg = DraftConfig(**{**dict(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=64, ffn=128, block_size=8,
-                                n_target_layers=2, mask_token_id=VOCAB - 1, vocab=VOCAB, input_embedding_scale=0.5,
-                                output_multiplier=0.8, final_logit_softcapping=5.0), **changes})
+    cfg = DraftConfig(
+        **{
+            **dict(
+                hidden=64,
+                n_layer=2,
+                n_head=2,
+                n_head_kv=1,
+                head_dim=64,
+                ffn=128,
+                block_size=8,
+                n_target_layers=2,
+                mask_token_id=VOCAB - 1,
+                vocab=VOCAB,
+                input_embedding_scale=0.5,
+                output_multiplier=0.8,
+                final_logit_softcapping=5.0,
+            ),
+            **changes,
+        }
+    )
     w = DraftWeights.random(cfg, seed=1)
     rng = np.random.default_rng(2)
     embed = rng.standard_normal((VOCAB, cfg.hidden)).astype(np.float32)
@@ -127,8 +144,18 @@ def test_drafter_bad_input(cpu):
 
 def test_lm_head_dtype_reaches_the_cache(cpu):
     """Drafter(lm_head_dtype=...) uploads the head in that type next to the weights' own."""
-    cfg = DraftConfig(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=64, ffn=128, block_size=8,
-                      n_target_layers=2, mask_token_id=VOCAB - 1, vocab=VOCAB)
+    cfg = DraftConfig(
+        hidden=64,
+        n_layer=2,
+        n_head=2,
+        n_head_kv=1,
+        head_dim=64,
+        ffn=128,
+        block_size=8,
+        n_target_layers=2,
+        mask_token_id=VOCAB - 1,
+        vocab=VOCAB,
+    )
     w = DraftWeights.random(cfg, seed=1)
     rng = np.random.default_rng(2)
     embed = rng.standard_normal((VOCAB, cfg.hidden)).astype(np.float32)
@@ -136,8 +163,9 @@ def test_lm_head_dtype_reaches_the_cache(cpu):
     feats = rng.standard_normal((20, cfg.fc_in)).astype(np.float32)
     ids = {}
     for head_dtype in (None, "q8_0"):
-        with Drafter(w, embed_tokens=embed, lm_head=head, backend=cpu, cap=40, weight_dtype="f16",
-                     lm_head_dtype=head_dtype) as d:
+        with Drafter(
+            w, embed_tokens=embed, lm_head=head, backend=cpu, cap=40, weight_dtype="f16", lm_head_dtype=head_dtype
+        ) as d:
             assert d.cache.lm_head.type == (head_dtype or "f16")
             d.add_features(feats)
             ids[head_dtype] = d.propose(5)
@@ -164,7 +192,7 @@ class OracleDrafter:
     def propose(self, last: int) -> list[int]:
         # tokens 0..committed-1 have features; `last` sits at position committed
         assert self.truth[self.committed] == last
-        draft = list(self.truth[self.committed + 1:self.committed + self.q_len])
+        draft = list(self.truth[self.committed + 1 : self.committed + self.q_len])
         wrong_at = int(self.rng.integers(0, self.q_len))  # q_len-1 means "all correct"
         if wrong_at < len(draft):
             draft[wrong_at] = (draft[wrong_at] + 1) % (ToyTargetConfig().vocab - 1)
@@ -181,9 +209,12 @@ def test_speculative_decoding_is_lossless_for_every_acceptance_length():
     assert set(report.accepted_per_round) >= {0, 3, 7}  # rejections early, late, and full blocks
 
 
+@pytest.mark.slow  # the whole example
 def test_toy_example_runs_lossless_with_the_real_drafter(tmp_path, capsys):
     out = tmp_path / "report.json"
-    rc = toy_drafter.main(["--threads", "1", "--max-new-tokens", "40", "--cap", "64", "--block-size", "8", "--json", str(out)])
+    rc = toy_drafter.main(
+        ["--threads", "1", "--max-new-tokens", "40", "--cap", "64", "--block-size", "8", "--json", str(out)]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["lossless"] is True and report["new_tokens"] == 40
@@ -195,8 +226,22 @@ def test_toy_example_with_a_checkpoint(tmp_path):
     tcfg = ToyTargetConfig()
     w = DraftWeights.random(toy_drafter.drafter_config(tcfg, 8), seed=5)
     w.save_pretrained(tmp_path / "ckpt")
-    assert toy_drafter.main(["--threads", "1", "--checkpoint", str(tmp_path / "ckpt"), "--max-new-tokens", "20", "--cap", "48",
-                             "--no-oneshot"]) == 0
+    assert (
+        toy_drafter.main(
+            [
+                "--threads",
+                "1",
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+                "--max-new-tokens",
+                "20",
+                "--cap",
+                "48",
+                "--no-oneshot",
+            ]
+        )
+        == 0
+    )
 
 
 def test_p_min_cuts_greedy_drafts_at_the_first_unsure_token(cpu):

@@ -7,7 +7,16 @@ import pytest
 
 from tests.fuzzing import run_fuzz_group
 
-GROUPS = {'step_inputs': 150, 'construct': 80, 'weights_config': 150, 'drafter': 120, 'lifecycle': 60, 'ring': 150}  # group -> examples at scale 1 (each example is one or more cases)
+pytestmark = pytest.mark.slow  # hypothesis fuzzing of the cache API: the slow tier
+
+GROUPS = {
+    "step_inputs": 150,
+    "construct": 80,
+    "weights_config": 150,
+    "drafter": 120,
+    "lifecycle": 60,
+    "ring": 150,
+}  # group -> examples at scale 1 (each example is one or more cases)
 
 
 @pytest.mark.parametrize("group", list(GROUPS))

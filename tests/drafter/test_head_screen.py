@@ -9,16 +9,32 @@ import contextlib
 import numpy as np
 import pytest
 
-from pyggml_dkv import DraftConfig, DraftKvCache, Drafter, DraftWeights, FeatureRing
+from pyggml_dkv import DraftConfig, Drafter, DraftKvCache, DraftWeights, FeatureRing
 from pyggml_dkv.ggml import GGMLError, amx_available, vnni_available
 
 VOCAB = 3008  # a multiple of 32: the screen goes to the repacking buffer (VNNI, or AMX tiles)
 
 
 def config(**changes) -> DraftConfig:
-    return DraftConfig(**{**dict(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8,
-                                 n_target_layers=2, mask_token_id=VOCAB - 1, vocab=VOCAB, output_multiplier=0.7,
-                                 final_logit_softcapping=30.0), **changes})
+    return DraftConfig(
+        **{
+            **dict(
+                hidden=128,
+                n_layer=2,
+                n_head=4,
+                n_head_kv=2,
+                head_dim=32,
+                ffn=256,
+                block_size=8,
+                n_target_layers=2,
+                mask_token_id=VOCAB - 1,
+                vocab=VOCAB,
+                output_multiplier=0.7,
+                final_logit_softcapping=30.0,
+            ),
+            **changes,
+        }
+    )
 
 
 def target_matrices(cfg: DraftConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -50,8 +66,10 @@ def test_trajectory_ids_are_the_exact_heads(cpu, dtype, parity_log):
             committed += n_new
             tokens[0] = step * 37 % VOCAB
             if step % 3 == 2:  # logit steps in between (the full head's graphs) change nothing after them
-                np.testing.assert_array_equal(screened.step_tokens(ring, committed - 1, tokens, output="logits"),
-                                              plain.step_tokens(ring, committed - 1, tokens, output="logits"))
+                np.testing.assert_array_equal(
+                    screened.step_tokens(ring, committed - 1, tokens, output="logits"),
+                    plain.step_tokens(ring, committed - 1, tokens, output="logits"),
+                )
             want_plain = plain.step_tokens(ring, committed, tokens, output="ids")
             got = screened.step_tokens(ring, committed, tokens, output="ids")
             assert screened.logits is None  # the screened graph computed last
@@ -62,8 +80,12 @@ def test_trajectory_ids_are_the_exact_heads(cpu, dtype, parity_log):
             np.testing.assert_array_equal(got, exact)
             if dtype != "bf16":  # ggml's bf16 product rounds the hidden states to bf16 first
                 np.testing.assert_array_equal(got, want_plain)
-    parity_log("screened-head ids vs float64 argmax", f"head={dtype} (disagreeing)", differ / total,
-               f"hidden 128, vocab {VOCAB}, cap 40, {total} ids")
+    parity_log(
+        "screened-head ids vs float64 argmax",
+        f"head={dtype} (disagreeing)",
+        differ / total,
+        f"hidden 128, vocab {VOCAB}, cap 40, {total} ids",
+    )
 
 
 def test_drafter_drafts_match_greedy_sampled_and_cut(cpu):
@@ -126,8 +148,10 @@ def test_non_finite_hidden_states_raise(cpu):
     ring = FeatureRing(64, cfg.fc_in)
     ring.append(np.ones((20, cfg.fc_in), np.float32))
     tokens = np.full(cfg.block_size, cfg.mask_token_id, np.int32)
-    with w.to_backend(cpu, "f16") as bw, \
-            DraftKvCache(bw, cpu, 32, lm_head=head, embed_tokens=embed, lm_head_screen="q8_0") as c:
+    with (
+        w.to_backend(cpu, "f16") as bw,
+        DraftKvCache(bw, cpu, 32, lm_head=head, embed_tokens=embed, lm_head_screen="q8_0") as c,
+    ):
         with pytest.raises(FloatingPointError, match="hidden states at noise rows .* are not finite"):
             c.step_tokens(ring, 20, tokens, output="ids")
 
@@ -141,16 +165,20 @@ def test_embedding_input_cache_steps_and_c_style_compute(cpu):
     ring = FeatureRing(64, cfg.fc_in)
     ring.append(rng.standard_normal((30, cfg.fc_in)).astype(np.float32))
     noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
-    with DraftWeights.random(cfg, seed=3).to_backend(cpu, "f16") as bw, \
-            DraftKvCache(bw, cpu, 32, lm_head=head) as plain, \
-            DraftKvCache(bw, cpu, 32, lm_head=head, lm_head_screen="q8_0") as screened:
+    with (
+        DraftWeights.random(cfg, seed=3).to_backend(cpu, "f16") as bw,
+        DraftKvCache(bw, cpu, 32, lm_head=head) as plain,
+        DraftKvCache(bw, cpu, 32, lm_head=head, lm_head_screen="q8_0") as screened,
+    ):
         np.testing.assert_array_equal(screened.step(ring, 20, noise), plain.step(ring, 20, noise))
         for c in (plain, screened):
             c.begin_step(ring, 30)
             c.inp_embed.set(noise)
             c.compute()
         assert screened.logits is None and plain.logits is not None
-        exact = np.argmax(screened.hidden_states.numpy().astype(np.float64) @ plain.lm_head.numpy().astype(np.float64).T, 1)
+        exact = np.argmax(
+            screened.hidden_states.numpy().astype(np.float64) @ plain.lm_head.numpy().astype(np.float64).T, 1
+        )
         np.testing.assert_array_equal(screened.draft_ids.numpy(), exact)
         np.testing.assert_array_equal(screened.draft_ids.numpy(), plain.draft_ids.numpy())
         screened.begin_step(ring, 30)

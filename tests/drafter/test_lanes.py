@@ -15,16 +15,22 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 import pyggml_dkv.drafter.bulk_append as dkv
 from pyggml_dkv import (
     Backend,
     DraftConfig,
+    Drafter,
     DraftKvCache,
     DraftKvState,
     DraftWeights,
-    Drafter,
     FeatureRing,
     draft_kv_begin_step,
     draft_kv_free,
@@ -41,11 +47,31 @@ N_STEPS = int(os.environ.get("PYGGML_DKV_LANES_STEPS", "14"))
 
 CONFIGS = {
     # GQA folded on the CPU (4 query heads over 2 K/V heads), a full and a sliding layer
-    "gqa-full+swa": DraftConfig(hidden=64, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=96, block_size=4,
-                                n_target_layers=2, layer_types=["full", "sliding"], swa_window=6),
+    "gqa-full+swa": DraftConfig(
+        hidden=64,
+        n_layer=2,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=32,
+        ffn=96,
+        block_size=4,
+        n_target_layers=2,
+        layer_types=["full", "sliding"],
+        swa_window=6,
+    ),
     # no GQA (the unfolded attention), q_len 8, one sliding layer
-    "mha-swa": DraftConfig(hidden=64, n_layer=1, n_head=2, n_head_kv=2, head_dim=32, ffn=64, block_size=8,
-                           n_target_layers=3, layer_types=["sliding"], swa_window=13),
+    "mha-swa": DraftConfig(
+        hidden=64,
+        n_layer=1,
+        n_head=2,
+        n_head_kv=2,
+        head_dim=32,
+        ffn=64,
+        block_size=8,
+        n_target_layers=3,
+        layer_types=["sliding"],
+        swa_window=13,
+    ),
 }
 _STATS = {"sequences": 0, "lane_steps": 0, "worst": 0.0}
 
@@ -74,8 +100,14 @@ class LanesHost(RuleBasedStateMachine):
         self.twins: list[DraftKvCache] = []
         self.bulk_chunk_before = dkv.BULK_CHUNK
 
-    @initialize(name=st.sampled_from(sorted(CONFIGS)), lanes=st.sampled_from([2, 3, 5]), cap=st.sampled_from([11, 19]),
-                swa=st.sampled_from(["seed", "per_row"]), bulk_chunk=st.sampled_from([1024, 8]), seed=st.integers(0, 2**16))
+    @initialize(
+        name=st.sampled_from(sorted(CONFIGS)),
+        lanes=st.sampled_from([2, 3, 5]),
+        cap=st.sampled_from([11, 19]),
+        swa=st.sampled_from(["seed", "per_row"]),
+        bulk_chunk=st.sampled_from([1024, 8]),
+        seed=st.integers(0, 2**16),
+    )
     def setup(self, name, lanes, cap, swa, bulk_chunk, seed):
         backend, weights, uploaded = self.shared
         self.cfg, self.w, self.cap, self.swa, self.n = CONFIGS[name], weights[name], cap, swa, lanes
@@ -110,8 +142,10 @@ class LanesHost(RuleBasedStateMachine):
         active = [lane for lane in active if self._steppable(lane)]
         if not active:
             return
-        noise = [self.rng.standard_normal((self.q, self.cfg.hidden)).astype(np.float32) if i in active else None
-                 for i in range(self.n)]
+        noise = [
+            self.rng.standard_normal((self.q, self.cfg.hidden)).astype(np.float32) if i in active else None
+            for i in range(self.n)
+        ]
         rings = [self.rings[i] if i in active else None for i in range(self.n)]
         committed = [self.rings[i].written if i in active else None for i in range(self.n)]
         got = self.cache.step(rings, committed, noise)
@@ -126,8 +160,9 @@ class LanesHost(RuleBasedStateMachine):
             assert err <= TOL, f"lane {lane} of {active}, committed={committed[lane]}: {err:.2e}"
             assert self.cache.lane_next_pos(lane) == committed[lane]
             if with_reference:
-                ref = R.reference_step(self.w, self.feats[lane][:committed[lane]], committed[lane], self.cap,
-                                       noise[lane], swa=self.swa)
+                ref = R.reference_step(
+                    self.w, self.feats[lane][: committed[lane]], committed[lane], self.cap, noise[lane], swa=self.swa
+                )
                 assert relative_error(got[lane], ref) <= 1e-4
 
     @rule(lane=st.integers(0, 4), n=st.integers(1, 8))
@@ -193,18 +228,28 @@ class LanesHost(RuleBasedStateMachine):
             assert (self.cache.lane_slot_pos(lane) == self.twins[lane].slot_pos).all()
 
 
+@pytest.mark.slow  # hypothesis
 def test_lanes_match_single_lane_caches_under_random_host_behaviour(shared, capsys):
     before = {k: v for k, v in live_objects().items() if v}
     LanesHost.shared = shared
     start = dict(_STATS)
-    run_state_machine_as_test(LanesHost, settings=settings(
-        max_examples=N_EXAMPLES, stateful_step_count=N_STEPS, deadline=None, database=None,
-        derandomize=not os.environ.get("PYGGML_DKV_FUZZ_RANDOM"),
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]))
+    run_state_machine_as_test(
+        LanesHost,
+        settings=settings(
+            max_examples=N_EXAMPLES,
+            stateful_step_count=N_STEPS,
+            deadline=None,
+            database=None,
+            derandomize=not os.environ.get("PYGGML_DKV_FUZZ_RANDOM"),
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+        ),
+    )
     steps = _STATS["lane_steps"] - start["lane_steps"]
     with capsys.disabled():
-        print(f"\nlanes: {_STATS['sequences'] - start['sequences']} sequences, {steps} lane steps against "
-              f"single-lane caches, worst max|a-b|/max|b| = {_STATS['worst']:.2e}")
+        print(
+            f"\nlanes: {_STATS['sequences'] - start['sequences']} sequences, {steps} lane steps against "
+            f"single-lane caches, worst max|a-b|/max|b| = {_STATS['worst']:.2e}"
+        )
     assert steps >= N_EXAMPLES
     assert {k: v for k, v in live_objects().items() if v} == before, "a sequence leaked ggml objects"
 
@@ -286,7 +331,9 @@ def test_geometry_and_graphs(gqa, cpu):
     assert lane_counts(1) == (1,) and lane_counts(5) == (1, 2, 4, 5) and lane_counts(8) == (1, 2, 4, 8)
     with DraftKvCache(bw, cpu, 19, cache_type="f32", lanes=5) as c:
         assert c.lanes == 5 and c.k_cache[0].ne[1] == 5 * c.kv_total
-        assert c.noise_rows.numpy().tolist() == [lane * c.kv_total + c.cap + j for lane in range(5) for j in range(c.q_len)]
+        assert c.noise_rows.numpy().tolist() == [
+            lane * c.kv_total + c.cap + j for lane in range(5) for j in range(c.q_len)
+        ]
         assert sorted({n for n, _ in c.graphs}) == [1, 2, 4, 5]
         assert c.gf is c.graphs[(5, 5 * c.a_step)].graph
         assert c.mask_full.ne == (c.kv_total, c.mask_rows, 1, 5)
@@ -305,19 +352,24 @@ def test_lanes_join_and_leave_without_rebuilds(gqa, cpu):
     cfg, _, bw = gqa
     rings = _rings(cfg, 4, n=60)
     rng = np.random.default_rng(9)
+
     def addresses(c):  # every node but the outputs, which each step places in a new array
-        return {k: [t.data_address for t in b.graph.nodes() if t.name not in ("hidden_states", "logits", "draft_ids")]
-                for k, b in c.graphs.items()}
+        return {
+            k: [t.data_address for t in b.graph.nodes() if t.name not in ("hidden_states", "logits", "draft_ids")]
+            for k, b in c.graphs.items()
+        }
 
     with DraftKvCache(bw, cpu, 19, cache_type="f32", lanes=4) as c:
         before = addresses(c)
         objects = live_objects()
-        for step in range(40):
+        for _ in range(40):
             active = [bool(rng.random() < 0.5) for _ in range(4)]
             if not any(active):
                 active[int(rng.integers(4))] = True
             committed = [int(rng.integers(1, 61)) if a else None for a in active]
-            noise = [rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32) if a else None for a in active]
+            noise = [
+                rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32) if a else None for a in active
+            ]
             out = c.step([r if a else None for r, a in zip(rings, active)], committed, noise)
             assert [o is not None for o in out] == active
             assert all(np.isfinite(o).all() for o in out if o is not None)
@@ -337,7 +389,7 @@ def test_idle_lanes_inside_the_graph_see_no_context(gqa, cpu):
         c.step([None, rings[1], None, None], [None, 12, None, None], [None, noise, None, None])
         assert c._computed.n_lanes == 2
         mask = c.mask_full.numpy()  # (lanes, 1, rows, kv_total)
-        assert np.isneginf(mask[0, 0, :, :c.cap]).all()  # lane 0: idle, inside the 2-lane graph
+        assert np.isneginf(mask[0, 0, :, : c.cap]).all()  # lane 0: idle, inside the 2-lane graph
         assert (mask[1, 0, :, :12] == 0).all()  # lane 1: its 12 positions
         assert (mask[2, 0, :, :12] == 0).all()  # lanes 2, 3: untouched, not computed
 
@@ -389,7 +441,9 @@ def test_drafter_lanes_propose_as_single_drafters(gqa):
 def test_c_style_api_with_lanes(gqa, cpu):
     cfg, w, bw = gqa
     rings = _rings(cfg, 3, n=15, seed=4)
-    noise = [np.random.default_rng(i).standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32) for i in range(3)]
+    noise = [
+        np.random.default_rng(i).standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32) for i in range(3)
+    ]
     st_ = DraftKvState()
     assert draft_kv_init(st_, bw, cpu, 19, cache_type="f32", lanes=3)
     try:
@@ -401,7 +455,7 @@ def test_c_style_api_with_lanes(gqa, cpu):
         hidden = st_.hidden_states.numpy()
         for lane in (0, 2):
             want = R.reference_step(w, rings[lane].read(0, 10 + lane), 10 + lane, 19, noise[lane])
-            assert relative_error(hidden[lane * cfg.block_size:(lane + 1) * cfg.block_size], want) <= 1e-4
+            assert relative_error(hidden[lane * cfg.block_size : (lane + 1) * cfg.block_size], want) <= 1e-4
     finally:
         draft_kv_free(st_)
 

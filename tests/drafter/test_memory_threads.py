@@ -27,15 +27,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyggml_dkv.ggml import liveness
 from pyggml_dkv import (
-    Backend, DraftConfig, DraftKvCache, DraftKvState, DraftWeights, Drafter, FeatureRing, OneShotDrafter,
-    draft_kv_free, draft_kv_init, live_objects,
+    Backend,
+    DraftConfig,
+    Drafter,
+    DraftKvCache,
+    DraftKvState,
+    DraftWeights,
+    FeatureRing,
+    OneShotDrafter,
+    draft_kv_free,
+    draft_kv_init,
+    live_objects,
 )
 from pyggml_dkv import reference as R
-from pyggml_dkv.ggml import Buffer, Context, Gallocr, GGMLError, Graph
 from pyggml_dkv.common.numeric import relative_error
+from pyggml_dkv.ggml import Buffer, Context, Gallocr, GGMLError, Graph, liveness
 from tests.child import run_in_child
+
+pytestmark = pytest.mark.slow  # leak and thread stress runs: the slow tier
 
 ROOT = Path(__file__).resolve().parents[2]
 N_STEPS = int(os.environ.get("PYGGML_DKV_MEMORY_STEPS", "4000"))
@@ -43,10 +53,28 @@ N_CYCLES = int(os.environ.get("PYGGML_DKV_MEMORY_CYCLES", "1000"))
 RSS_LIMIT = 2 * 2**20
 
 # the benchmark's `toy` shape, narrowed to hidden 64 so 100k steps fit in minutes on 2 cores
-TOY64 = DraftConfig.toy(hidden=64, head_dim=32, n_head=2, n_head_kv=1, ffn=128, n_target_layers=2,
-                        layer_types=["full", "sliding"], swa_window=24)
-SMALL = DraftConfig(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=32, ffn=96, block_size=4,
-                    n_target_layers=2, layer_types=["full", "sliding"], swa_window=6)
+TOY64 = DraftConfig.toy(
+    hidden=64,
+    head_dim=32,
+    n_head=2,
+    n_head_kv=1,
+    ffn=128,
+    n_target_layers=2,
+    layer_types=["full", "sliding"],
+    swa_window=24,
+)
+SMALL = DraftConfig(
+    hidden=64,
+    n_layer=2,
+    n_head=2,
+    n_head_kv=1,
+    head_dim=32,
+    ffn=96,
+    block_size=4,
+    n_target_layers=2,
+    layer_types=["full", "sliding"],
+    swa_window=6,
+)
 
 
 def rss() -> int:
@@ -80,7 +108,7 @@ class Host:
 
     def rows(self, n: int) -> np.ndarray:
         start = int(self.rng.integers(0, len(self.pool) - n))
-        return self.pool[start:start + n]
+        return self.pool[start : start + n]
 
     def advance(self, cache: DraftKvCache) -> None:
         r = self.rng.random()
@@ -101,6 +129,7 @@ class Host:
 
 
 # ============================================================================ memory
+
 
 def test_steps_keep_memory_flat(be1):
     """PYGGML_DKV_MEMORY_STEPS steps (100k for the issue's figure): RSS and ggml objects stay flat."""
@@ -124,13 +153,15 @@ def test_steps_keep_memory_flat(be1):
         committed = host.ring.written
         feats = host.ring.read(committed - min(committed, 64), min(committed, 64))
         all_feats = np.zeros((committed, TOY64.fc_in), np.float32)
-        all_feats[committed - feats.shape[0]:] = feats
+        all_feats[committed - feats.shape[0] :] = feats
         got = cache.step(host.ring, committed, host.noise)
         assert relative_error(got, R.reference_step(w, all_feats, committed, 64, host.noise)) < 1e-4
         assert cache.galloc.n_allocs == 1, "the step graph was re-allocated"
         cache.close()
-        print(f"\n{N_STEPS} steps in {elapsed:.1f}s ({elapsed / N_STEPS * 1e6:.0f} us/step), "
-              f"RSS growth {growth / 2**10:.0f} KiB")
+        print(
+            f"\n{N_STEPS} steps in {elapsed:.1f}s ({elapsed / N_STEPS * 1e6:.0f} us/step), "
+            f"RSS growth {growth / 2**10:.0f} KiB"
+        )
         assert growth < RSS_LIMIT, f"RSS grew by {growth / 2**20:.2f} MiB over {N_STEPS} steps"
         assert alive() == before_objects
         assert len(liveness.live_buffers) == live_buffers
@@ -143,6 +174,7 @@ def test_create_close_cycles_keep_memory_flat(be1):
     ring.append(np.random.default_rng(1).standard_normal((50, SMALL.fc_in)).astype(np.float32))
     noise = np.zeros((SMALL.block_size, SMALL.hidden), np.float32)
     with w.to_backend(be1, "f32") as bw:
+
         def cycle(i: int) -> None:
             kw = dict(lm_head=lm) if i % 3 == 0 else {}
             cache = DraftKvCache(bw, be1, 19 + i % 5, cache_type="f16" if i % 2 else "f32", **kw)
@@ -205,6 +237,7 @@ def test_finalizers_safe_at_interpreter_exit(scenario):
 
 
 # ============================================================================ threads
+
 
 def _big_matmul(backend: Backend, n: int = 1024, k: int = 8192):
     """A graph whose compute takes long enough to watch: (n x k) @ (k x n) in f32, ~0.1 s on one
@@ -316,8 +349,10 @@ def test_separate_caches_compute_in_parallel_and_stay_correct():
         for b in backends.values():
             b.close()
     # informational: on an idle multi-core machine this is ~2 (it is ~1 when other processes take the cores)
-    print(f"\nparallel caches: serial {serial_wall:.2f}s; (thread CPU seconds)/(wall seconds) per attempt = "
-          f"{[round(r, 2) for r in ratios]}")
+    print(
+        f"\nparallel caches: serial {serial_wall:.2f}s; (thread CPU seconds)/(wall seconds) per attempt = "
+        f"{[round(r, 2) for r in ratios]}"
+    )
 
 
 def test_other_threads_step_their_caches_inside_one_long_compute():

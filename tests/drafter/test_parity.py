@@ -21,25 +21,61 @@ TOL = {"f32": 1e-4, "f16": 5e-3}
 CONFIGS = {
     # GQA 1, head_dim 64, q_len 10, mixed layers, SWA window smaller than cap
     "gqa1-hd64-q10-mixed-swa<cap": dict(
-        cfg=dict(hidden=128, n_layer=2, n_head=4, n_head_kv=4, head_dim=64, ffn=256, block_size=10,
-                 n_target_layers=3, layer_types=["full", "sliding"], swa_window=24),
-        cap=70),
+        cfg=dict(
+            hidden=128,
+            n_layer=2,
+            n_head=4,
+            n_head_kv=4,
+            head_dim=64,
+            ffn=256,
+            block_size=10,
+            n_target_layers=3,
+            layer_types=["full", "sliding"],
+            swa_window=24,
+        ),
+        cap=70,
+    ),
     # GQA 2, head_dim 128, q_len 16, mixed the other way, SWA window larger than cap, YaRN RoPE
     "gqa2-hd128-q16-mixed-swa>cap-yarn": dict(
-        cfg=dict(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=128, ffn=256, block_size=16,
-                 n_target_layers=2, layer_types=["sliding", "full"], swa_window=200,
-                 freq_scale=0.25, ext_factor=1.0, n_ctx_orig=64, rope_theta=10000.0),
-        cap=77),
+        cfg=dict(
+            hidden=128,
+            n_layer=2,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=128,
+            ffn=256,
+            block_size=16,
+            n_target_layers=2,
+            layer_types=["sliding", "full"],
+            swa_window=200,
+            freq_scale=0.25,
+            ext_factor=1.0,
+            n_ctx_orig=64,
+            rope_theta=10000.0,
+        ),
+        cap=77,
+    ),
     # GQA 4, head_dim 64, q_len 16, only full layers
     "gqa4-hd64-q16-full": dict(
-        cfg=dict(hidden=128, n_layer=2, n_head=8, n_head_kv=2, head_dim=64, ffn=256, block_size=16,
-                 n_target_layers=3),
-        cap=45),
+        cfg=dict(hidden=128, n_layer=2, n_head=8, n_head_kv=2, head_dim=64, ffn=256, block_size=16, n_target_layers=3),
+        cap=45,
+    ),
     # GQA 4, head_dim 128, q_len 10, only sliding layers, small window
     "gqa4-hd128-q10-sliding": dict(
-        cfg=dict(hidden=128, n_layer=2, n_head=4, n_head_kv=1, head_dim=128, ffn=256, block_size=10,
-                 n_target_layers=2, layer_types=["sliding", "sliding"], swa_window=13),
-        cap=50),
+        cfg=dict(
+            hidden=128,
+            n_layer=2,
+            n_head=4,
+            n_head_kv=1,
+            head_dim=128,
+            ffn=256,
+            block_size=10,
+            n_target_layers=2,
+            layer_types=["sliding", "sliding"],
+            swa_window=13,
+        ),
+        cap=50,
+    ),
 }
 
 
@@ -60,9 +96,20 @@ def trajectory(rng: np.random.Generator, cap: int, q_len: int, n_steps: int) -> 
     return out
 
 
-def run_trajectory(cfg: DraftConfig, cap: int, weight_type: str, cache_type: str, swa: str,
-                   with_logits: bool, n_steps: int, seed: int, cpu, parity_log, case: str,
-                   tol: float | None = None) -> None:
+def run_trajectory(
+    cfg: DraftConfig,
+    cap: int,
+    weight_type: str,
+    cache_type: str,
+    swa: str,
+    with_logits: bool,
+    n_steps: int,
+    seed: int,
+    cpu,
+    parity_log,
+    case: str,
+    tol: float | None = None,
+) -> None:
     rng = np.random.default_rng(seed)
     w = DraftWeights.random(cfg, seed=seed)
     commits = trajectory(rng, cap, cfg.block_size, n_steps)
@@ -70,15 +117,19 @@ def run_trajectory(cfg: DraftConfig, cap: int, weight_type: str, cache_type: str
     feats = rng.standard_normal((total, cfg.fc_in)).astype(np.float32)
     ring = FeatureRing(cap + 3 * cfg.block_size, cfg.fc_in)
     vocab = 96
-    lm_head = (rng.standard_normal((vocab, cfg.hidden)) / np.sqrt(cfg.hidden)).astype(np.float32) if with_logits else None
+    lm_head = (
+        (rng.standard_normal((vocab, cfg.hidden)) / np.sqrt(cfg.hidden)).astype(np.float32) if with_logits else None
+    )
     tol = TOL[cache_type] if tol is None else tol
     worst = {"cache-vs-reference": 0.0, "cache-vs-oneshot": 0.0}
-    with cpu_weights(w, cpu, weight_type) as bw, \
-            DraftKvCache(bw, cpu, cap, lm_head=lm_head, cache_type=cache_type, swa=swa) as cache, \
-            OneShotDrafter(bw, cpu, cap, lm_head=lm_head, cache_type=cache_type, swa=swa) as oneshot:
+    with (
+        cpu_weights(w, cpu, weight_type) as bw,
+        DraftKvCache(bw, cpu, cap, lm_head=lm_head, cache_type=cache_type, swa=swa) as cache,
+        OneShotDrafter(bw, cpu, cap, lm_head=lm_head, cache_type=cache_type, swa=swa) as oneshot,
+    ):
         for committed in commits:
             # the host writes features up to `committed` (rewinds overwrite the ring from there)
-            ring.write(min(ring.written, committed), feats[min(ring.written, committed):committed])
+            ring.write(min(ring.written, committed), feats[min(ring.written, committed) : committed])
             noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
             got = cache.step(ring, committed, noise)
             want = R.reference_step(w, feats, committed, cap, noise, swa=swa, lm_head=lm_head)
@@ -108,31 +159,71 @@ class cpu_weights:
         self.bw.close()
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+def slow_but(names: list[str], fast: str) -> list:
+    """`names` as parameters, all but `fast` in the slow tier (the fast tier runs one configuration)."""
+    return [name if name == fast else pytest.param(name, marks=pytest.mark.slow) for name in names]
+
+
+@pytest.mark.parametrize("name", slow_but(list(CONFIGS), "gqa1-hd64-q10-mixed-swa<cap"))
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
 def test_parity_hidden(name, cache_type, cpu, parity_log):
     spec = CONFIGS[name]
     cfg = DraftConfig(**spec["cfg"])
     swa = "seed"
-    run_trajectory(cfg, spec["cap"], "f32", cache_type, swa, False, n_steps=40, seed=zlib.crc32(name.encode()) % 1000,
-                   cpu=cpu, parity_log=parity_log, case=name)
+    run_trajectory(
+        cfg,
+        spec["cap"],
+        "f32",
+        cache_type,
+        swa,
+        False,
+        n_steps=40,
+        seed=zlib.crc32(name.encode()) % 1000,
+        cpu=cpu,
+        parity_log=parity_log,
+        case=name,
+    )
 
 
 @pytest.mark.parametrize("name", ["gqa1-hd64-q10-mixed-swa<cap", "gqa4-hd128-q10-sliding"])
 @pytest.mark.parametrize("swa", ["per_row", "off"])
 def test_parity_swa_flavours(name, swa, cpu, parity_log):
     spec = CONFIGS[name]
-    run_trajectory(DraftConfig(**spec["cfg"]), spec["cap"], "f32", "f32", swa, False, n_steps=30, seed=7,
-                   cpu=cpu, parity_log=parity_log, case=name)
+    run_trajectory(
+        DraftConfig(**spec["cfg"]),
+        spec["cap"],
+        "f32",
+        "f32",
+        swa,
+        False,
+        n_steps=30,
+        seed=7,
+        cpu=cpu,
+        parity_log=parity_log,
+        case=name,
+    )
 
 
-@pytest.mark.parametrize("name", ["gqa2-hd128-q16-mixed-swa>cap-yarn", "gqa4-hd64-q16-full"])
+@pytest.mark.parametrize(
+    "name", slow_but(["gqa2-hd128-q16-mixed-swa>cap-yarn", "gqa4-hd64-q16-full"], "gqa2-hd128-q16-mixed-swa>cap-yarn")
+)
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
 def test_parity_logits(name, cache_type, cpu, parity_log):
     spec = CONFIGS[name]
     cfg = DraftConfig(**spec["cfg"], output_multiplier=0.7, final_logit_softcapping=3.0)
-    run_trajectory(cfg, spec["cap"], "f32", cache_type, "seed", True, n_steps=30, seed=11,
-                   cpu=cpu, parity_log=parity_log, case=name + " mult+softcap")
+    run_trajectory(
+        cfg,
+        spec["cap"],
+        "f32",
+        cache_type,
+        "seed",
+        True,
+        n_steps=30,
+        seed=11,
+        cpu=cpu,
+        parity_log=parity_log,
+        case=name + " mult+softcap",
+    )
 
 
 # Low-precision weights make ggml round the activations too (f16 / q8_0 dot products), so a 1e-7
@@ -151,8 +242,11 @@ def test_quantized_weights_cache_matches_oneshot(weight_type, cpu, parity_log):
     ring = FeatureRing(200, cfg.fc_in)
     ring.append(rng.standard_normal((150, cfg.fc_in)).astype(np.float32))
     worst = 0.0
-    with cpu_weights(w, cpu, weight_type) as bw, DraftKvCache(bw, cpu, spec["cap"], cache_type="f32") as cache, \
-            OneShotDrafter(bw, cpu, spec["cap"], cache_type="f32") as oneshot:
+    with (
+        cpu_weights(w, cpu, weight_type) as bw,
+        DraftKvCache(bw, cpu, spec["cap"], cache_type="f32") as cache,
+        OneShotDrafter(bw, cpu, spec["cap"], cache_type="f32") as oneshot,
+    ):
         for committed in (5, 30, 31, 80, 150):
             noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
             e = relative_error(cache.step(ring, committed, noise), oneshot.step(ring, committed, noise))

@@ -55,8 +55,18 @@ def test_clear_and_bad_arguments():
 
 @pytest.fixture(scope="module")
 def toy(cpu):
-    cfg = DraftConfig(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=32, ffn=96, block_size=4,
-                      n_target_layers=2, layer_types=["full", "sliding"], swa_window=6)
+    cfg = DraftConfig(
+        hidden=64,
+        n_layer=2,
+        n_head=2,
+        n_head_kv=1,
+        head_dim=32,
+        ffn=96,
+        block_size=4,
+        n_target_layers=2,
+        layer_types=["full", "sliding"],
+        swa_window=6,
+    )
     w = DraftWeights.random(cfg, seed=3)
     rng = np.random.default_rng(3)
     feats = rng.standard_normal((200, cfg.fc_in)).astype(np.float32)

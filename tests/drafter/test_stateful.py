@@ -21,13 +21,22 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 import pyggml_dkv.drafter.bulk_append as dkv
 from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing
 from pyggml_dkv import reference as R
-from pyggml_dkv.ggml import live_objects
 from pyggml_dkv.common.numeric import relative_error
+from pyggml_dkv.ggml import live_objects
+
+pytestmark = pytest.mark.slow  # hypothesis state machines: the slow tier
 
 TOL = 1e-4
 N_EXAMPLES = int(os.environ.get("PYGGML_DKV_STATEFUL_EXAMPLES", "200"))
@@ -35,11 +44,31 @@ N_STEPS = int(os.environ.get("PYGGML_DKV_STATEFUL_STEPS", "12"))
 
 CONFIGS = {
     # q_len 4, a full and a sliding layer, window smaller than every cap
-    "q4-full+swa6": DraftConfig(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=32, ffn=96, block_size=4,
-                                n_target_layers=2, layer_types=["full", "sliding"], swa_window=6),
+    "q4-full+swa6": DraftConfig(
+        hidden=64,
+        n_layer=2,
+        n_head=2,
+        n_head_kv=1,
+        head_dim=32,
+        ffn=96,
+        block_size=4,
+        n_target_layers=2,
+        layer_types=["full", "sliding"],
+        swa_window=6,
+    ),
     # q_len 8, one sliding layer, GQA 2, window close to cap
-    "q8-swa13": DraftConfig(hidden=64, n_layer=1, n_head=4, n_head_kv=2, head_dim=16, ffn=64, block_size=8,
-                            n_target_layers=3, layer_types=["sliding"], swa_window=13),
+    "q8-swa13": DraftConfig(
+        hidden=64,
+        n_layer=1,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=16,
+        ffn=64,
+        block_size=8,
+        n_target_layers=3,
+        layer_types=["sliding"],
+        swa_window=13,
+    ),
 }
 CAPS = (19, 11)
 
@@ -65,8 +94,13 @@ class HostMachine(RuleBasedStateMachine):
         self.cache = None
         self.bulk_chunk_before = dkv.BULK_CHUNK
 
-    @initialize(name=st.sampled_from(sorted(CONFIGS)), cap=st.sampled_from(CAPS), swa=st.sampled_from(["seed", "per_row"]),
-                bulk_chunk=st.sampled_from([1024, 8]), seed=st.integers(0, 2**16))
+    @initialize(
+        name=st.sampled_from(sorted(CONFIGS)),
+        cap=st.sampled_from(CAPS),
+        swa=st.sampled_from(["seed", "per_row"]),
+        bulk_chunk=st.sampled_from([1024, 8]),
+        seed=st.integers(0, 2**16),
+    )
     def setup(self, name, cap, swa, bulk_chunk, seed):
         backend, weights, uploaded = self.shared
         self.cfg = CONFIGS[name]
@@ -185,15 +219,24 @@ def test_ring_cache_matches_reference_under_random_host_behaviour(shared, capsys
     before = {k: v for k, v in live_objects().items() if v}
     HostMachine.shared = shared
     start = dict(_STATS)
-    run_state_machine_as_test(HostMachine, settings=settings(
-        max_examples=N_EXAMPLES, stateful_step_count=N_STEPS, deadline=None, database=None,
-        derandomize=not os.environ.get("PYGGML_DKV_FUZZ_RANDOM"),
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]))
+    run_state_machine_as_test(
+        HostMachine,
+        settings=settings(
+            max_examples=N_EXAMPLES,
+            stateful_step_count=N_STEPS,
+            deadline=None,
+            database=None,
+            derandomize=not os.environ.get("PYGGML_DKV_FUZZ_RANDOM"),
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+        ),
+    )
     sequences = _STATS["sequences"] - start["sequences"]
     steps = _STATS["steps"] - start["steps"]
     with capsys.disabled():
-        print(f"\nstateful: {sequences} sequences, {steps} steps checked against the reference, "
-              f"worst max|a-b|/max|b| = {_STATS['worst']:.2e}")
+        print(
+            f"\nstateful: {sequences} sequences, {steps} steps checked against the reference, "
+            f"worst max|a-b|/max|b| = {_STATS['worst']:.2e}"
+        )
     assert sequences >= N_EXAMPLES
     assert steps >= N_EXAMPLES  # about half the rules step
     assert {k: v for k, v in live_objects().items() if v} == before, "a sequence leaked ggml objects"

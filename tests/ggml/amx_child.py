@@ -11,7 +11,9 @@ def amx_next_to_torch() -> None:
 
     from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing, bf16_attention_supported
 
-    cfg = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8, n_target_layers=2)
+    cfg = DraftConfig(
+        hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8, n_target_layers=2
+    )
     be = Backend("cpu", n_threads=1)  # ggml computes on this (main) thread, like torch
     bw = DraftWeights.random(cfg, seed=1).to_backend(be, "q8_0")
     assert bw.n_repacked > 0

@@ -9,8 +9,18 @@ import numpy as np
 
 # (rows, inputs, columns): 4-row blocks whole and partial, 1-6 column tiles, one to many 32-input
 # blocks, row groups of 8 blocks (K <= 1024) and wider K, the most columns the kernels take
-SHAPES = [(5, 64, 3), (4, 1024, 16), (70, 96, 34), (9, 32, 1), (13, 5120, 9), (205, 1024, 16),
-          (100, 1024, 64), (37, 2048, 6), (48, 1024, 9), (64, 160, 17)]
+SHAPES = [
+    (5, 64, 3),
+    (4, 1024, 16),
+    (70, 96, 34),
+    (9, 32, 1),
+    (13, 5120, 9),
+    (205, 1024, 16),
+    (100, 1024, 64),
+    (37, 2048, 6),
+    (48, 1024, 9),
+    (64, 160, 17),
+]
 
 
 def operands(m: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -32,8 +42,9 @@ def bf16_products(out_path: str) -> None:
         kernels[name] = bf16_matmul_kernel((k, m), n_columns=n)
         for n_threads in (1, 2, 3):
             with Backend("cpu", n_threads=n_threads) as cpu:
-                results[f"{name}/{n_threads}"] = compute(cpu, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b),
-                                                          dkv=(0,))  # where BackendWeights puts them
+                results[f"{name}/{n_threads}"] = compute(
+                    cpu, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b), dkv=(0,)
+                )  # where BackendWeights puts them
     np.savez(out_path, **results)
     with open(out_path + ".json", "w") as f:
         json.dump(kernels, f)

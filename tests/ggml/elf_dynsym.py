@@ -34,7 +34,7 @@ def dynamic_symbols(path: Path) -> tuple[set[str], set[str]]:
         for pos in range(offset, offset + size, SYM_SIZE):
             st_name, st_info, st_other, st_shndx, _value, _size = struct.unpack_from("<IBBHQQ", data, pos)
             end = data.index(b"\0", str_offset + st_name)
-            name = data[str_offset + st_name:end].decode()
+            name = data[str_offset + st_name : end].decode()
             if not name or st_info >> 4 == STB_LOCAL:
                 continue
             if st_shndx == SHN_UNDEF:

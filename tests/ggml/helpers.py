@@ -7,7 +7,6 @@ from contextlib import ExitStack
 import numpy as np
 
 from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
-from pyggml_dkv.ggml._lowlevel import lib
 from pyggml_dkv.ggml import (
     DKV_BUFFER_TYPE,
     Backend,
@@ -19,7 +18,7 @@ from pyggml_dkv.ggml import (
     cpu_extra_buffer_types,
     dkv_buffer_available,
 )
-
+from pyggml_dkv.ggml._lowlevel import lib
 
 NEOX = int(lib.GGML_ROPE_TYPE_NEOX)
 RNG_SEED = 1234
@@ -30,8 +29,9 @@ def as_bf16(a: np.ndarray) -> np.ndarray:
     return from_bf16_bits(to_bf16_bits(a)).astype(np.float64)
 
 
-def compute(backend: Backend, specs: list[tuple[str, np.ndarray]], build, graph_size: int = 128,
-            dkv: tuple[int, ...] = ()):
+def compute(
+    backend: Backend, specs: list[tuple[str, np.ndarray]], build, graph_size: int = 128, dkv: tuple[int, ...] = ()
+):
     """Upload `specs` (type, numpy array) into fresh tensors, run build(g, *tensors) -> output(s), return numpy.
 
     `dkv`: the indices of `specs` that go to our CPU_DKV buffer, where ggml has it, as the package
@@ -42,9 +42,13 @@ def compute(backend: Backend, specs: list[tuple[str, np.ndarray]], build, graph_
         ctx = stack.enter_context(Context(n_tensors=len(specs)))
         dctx = stack.enter_context(Context(n_tensors=len(specs))) if dkv else ctx
         g = stack.enter_context(Context(n_tensors=graph_size, graph_size=graph_size))
-        tensors = [(dctx if i in dkv else ctx).new_tensor(ty, *reversed(arr.shape)) for i, (ty, arr) in enumerate(specs)]
+        tensors = [
+            (dctx if i in dkv else ctx).new_tensor(ty, *reversed(arr.shape)) for i, (ty, arr) in enumerate(specs)
+        ]
         if dkv:
-            stack.enter_context(Buffer.alloc_ctx_tensors_from_buft(dctx, cpu_extra_buffer_types()[DKV_BUFFER_TYPE], backend))
+            stack.enter_context(
+                Buffer.alloc_ctx_tensors_from_buft(dctx, cpu_extra_buffer_types()[DKV_BUFFER_TYPE], backend)
+            )
         if len(specs) > len(dkv):
             stack.enter_context(Buffer.alloc_ctx_tensors(ctx, backend))
         for t, (_, arr) in zip(tensors, specs):
@@ -60,8 +64,6 @@ def compute(backend: Backend, specs: list[tuple[str, np.ndarray]], build, graph_
             graph.compute(backend)
             results = [o.numpy() for o in outs]
     return results[0] if single else results
-
-
 
 
 def mul_mat_rows(backend: Backend, wt: Tensor, x: np.ndarray) -> np.ndarray:

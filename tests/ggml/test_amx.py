@@ -11,22 +11,35 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.child import run_in_child
-
 from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing, OneShotDrafter
 from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
-from pyggml_dkv.ggml import (Context, Gallocr, dkv_buffer_available, GGMLError, Graph, amx_available, bf16_matmul_kernel, bf16_products_on_fma, cpu_extra_buffer_types,
-                             cpu_features, vnni_available)
-from pyggml_dkv.model.backend_weights import upload_matrix
+from pyggml_dkv.drafter.backend_weights import upload_matrix
+from pyggml_dkv.ggml import (
+    Context,
+    Gallocr,
+    GGMLError,
+    Graph,
+    amx_available,
+    bf16_matmul_kernel,
+    bf16_products_on_fma,
+    cpu_extra_buffer_types,
+    dkv_buffer_available,
+    vnni_available,
+)
+from tests.child import run_in_child
 from tests.ggml.helpers import mul_mat_rows
 
-needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU / kernel offers no AMX (or PYGGML_DKV_NO_AMX is set)")
-needs_amx_bf16 = pytest.mark.skipif(bf16_matmul_kernel() != "amx",
-                                    reason="bf16 products run on AMX-BF16 tiles only where the CPU has them (patch 0029)")
+needs_amx = pytest.mark.skipif(
+    not amx_available(), reason="this CPU / kernel offers no AMX (or PYGGML_DKV_NO_AMX is set)"
+)
+needs_amx_bf16 = pytest.mark.skipif(
+    bf16_matmul_kernel() != "amx", reason="bf16 products run on AMX-BF16 tiles only where the CPU has them (patch 0029)"
+)
 
-CFG = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8,
-                  n_target_layers=2, vocab=96)
+CFG = DraftConfig(
+    hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8, n_target_layers=2, vocab=96
+)
 
 
 def _weights() -> DraftWeights:
@@ -111,9 +124,11 @@ def test_amx_weights_match_generic_q8_0_and_the_reference(cpu):
     noise = rng.standard_normal((CFG.block_size, CFG.hidden)).astype(np.float32)
     outs = {}
     for repack in (True, False):
-        with w.to_backend(cpu, "q8_0", repack=repack) as bw, \
-                DraftKvCache(bw, cpu, 64, cache_type="f32", lm_head=lm_head) as cache, \
-                OneShotDrafter(bw, cpu, 64, cache_type="f32", lm_head=lm_head) as oneshot:
+        with (
+            w.to_backend(cpu, "q8_0", repack=repack) as bw,
+            DraftKvCache(bw, cpu, 64, cache_type="f32", lm_head=lm_head) as cache,
+            OneShotDrafter(bw, cpu, 64, cache_type="f32", lm_head=lm_head) as oneshot,
+        ):
             assert (bw.n_repacked > 0) == repack
             assert cache.lm_head.is_repacked == repack
             logits = cache.step(ring, 40, noise)
@@ -155,8 +170,13 @@ def amx_q8_0_products(n_threads: int, shapes: list[tuple[int, ...]]) -> list[flo
             for shape in shapes:
                 x = rng.standard_normal(shape + (k,)).astype(np.float32)
                 dx, qx = _q8_0_round_trip(x.reshape(-1, k))
-                want = np.einsum("rb,ob,rbi,obi->ro", dx.astype(np.float64), dw.astype(np.float64),
-                                 qx.astype(np.float64), qw.astype(np.float64)).reshape(shape + (n_out,))
+                want = np.einsum(
+                    "rb,ob,rbi,obi->ro",
+                    dx.astype(np.float64),
+                    dw.astype(np.float64),
+                    qx.astype(np.float64),
+                    qw.astype(np.float64),
+                ).reshape(shape + (n_out,))
                 got = mul_mat_rows(backend, wt, x)
                 assert got.shape == shape + (n_out,)
                 errors.append(relative_error(got, want))
@@ -211,7 +231,10 @@ def test_extra_buffer_types_are_listed_by_name():
     if platform.machine() not in ("x86_64", "AMD64") or not flags:
         pytest.skip("the expected buffer types are known for x86-64 Linux only")
     assert "CPU_REPACK" in found
-    assert ("AMX" in found) == ({"amx_tile", "amx_int8"} <= flags), (sorted(found), sorted(f for f in flags if "amx" in f))
+    assert ("AMX" in found) == ({"amx_tile", "amx_int8"} <= flags), (
+        sorted(found),
+        sorted(f for f in flags if "amx" in f),
+    )
 
 
 @needs_amx
@@ -296,8 +319,11 @@ def test_bf16_products_run_on_amx_tiles(cpu, tmp_path):
 
     w, x = bf16_operands()
     amx = compute(cpu, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b))
-    proc = run_in_child("tests.ggml.amx_child:bf16_product", str(tmp_path / "vdpbf16ps.npy"),
-                        env={**os.environ, "PYGGML_DKV_NO_AMX": "1", "PYGGML_DKV_BF16_PRODUCTS": "dpbf16"})
+    proc = run_in_child(
+        "tests.ggml.amx_child:bf16_product",
+        str(tmp_path / "vdpbf16ps.npy"),
+        env={**os.environ, "PYGGML_DKV_NO_AMX": "1", "PYGGML_DKV_BF16_PRODUCTS": "dpbf16"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     vdp = np.load(tmp_path / "vdpbf16ps.npy")
     want = from_bf16_bits(to_bf16_bits(x)).astype(np.float64) @ from_bf16_bits(to_bf16_bits(w)).astype(np.float64).T
@@ -313,13 +339,15 @@ def test_q8_0_steps_on_vnni_bulk_appends_on_amx(cpu):
     which the bulk append's graphs and the one-shot graph's context rows read. The cache's results stay
     those of q8_0 arithmetic."""
     from pyggml_dkv.drafter import bulk_append as bulk_module
-    from pyggml_dkv.model.backend_weights import repack_buffer
+    from pyggml_dkv.drafter.backend_weights import repack_buffer
 
     if not vnni_available():
         pytest.skip("no VNNI kernels in this build")
     assert repack_buffer(cpu, "q8_0", 1024, 1024) == "AMX"
     assert repack_buffer(cpu, "q8_0", 1024, 1024, bulk=False) == "CPU_REPACK"
-    cfg = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8, n_target_layers=2)
+    cfg = DraftConfig(
+        hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8, n_target_layers=2
+    )
     host = DraftWeights.random(cfg, seed=2)
     rng = np.random.default_rng(2)
     head = rng.standard_normal((512, cfg.hidden)).astype(np.float32) / 8
@@ -329,7 +357,10 @@ def test_q8_0_steps_on_vnni_bulk_appends_on_amx(cpu):
         assert len(fold_in) == 1 + 2 * cfg.n_layer
         assert {bw.tensors[n].buffer_name for n in matrices} == {"CPU_REPACK"}
         assert set(bw.bulk_tensors) == fold_in and {t.buffer_name for t in bw.bulk_tensors.values()} == {"AMX"}
-        assert bw.bulk["fc.weight"] is bw.bulk_tensors["fc.weight"] and bw.bulk["layers.0.mlp.up_proj.weight"] is bw["layers.0.mlp.up_proj.weight"]
+        assert (
+            bw.bulk["fc.weight"] is bw.bulk_tensors["fc.weight"]
+            and bw.bulk["layers.0.mlp.up_proj.weight"] is bw["layers.0.mlp.up_proj.weight"]
+        )
         assert bw.repack_kinds == ("AMX", "CPU_REPACK")
         t, buf = upload_matrix(cpu, head, "q8_0", "lm_head", matmul_only=True)
         read_by_bulk = []
@@ -366,7 +397,7 @@ def test_amx_placement_rule_on_any_cpu(cpu, monkeypatch):
     """The rule itself, on any machine (AMX and the VNNI layouts simulated as present): q8_0 goes to
     AMX unless only a step multiplies it (bulk=False) and the VNNI layout takes it; q4_0 never;
     f16 has no AMX kernel; without AMX nothing goes there."""
-    import pyggml_dkv.model.backend_weights as BW
+    import pyggml_dkv.drafter.backend_weights as BW
 
     monkeypatch.setattr(BW, "amx_available", lambda: True)
     monkeypatch.setattr(BW, "amx_fits", lambda dtype, ne: dtype in ("q8_0", "q4_0"))
@@ -385,7 +416,7 @@ def test_q4_0_prefers_our_vnni_kernel_to_ggmls_amx_one(cpu, monkeypatch):
     (backend_weights.VNNI_OVER_AMX); q8_0 stays on AMX where bulk appends multiply it. Without 0022,
     q4_0 goes back to AMX."""
     import pyggml_dkv.ggml.capabilities as C
-    from pyggml_dkv.model.backend_weights import repack_buffer
+    from pyggml_dkv.drafter.backend_weights import repack_buffer
 
     if not vnni_available():
         pytest.skip("no VNNI kernels in this build")

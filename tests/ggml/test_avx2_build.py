@@ -22,15 +22,28 @@ from pyggml_dkv.ggml import dequantize, quantize
 from pyggml_dkv.reference import attention
 from tests.ggml.helpers import as_bf16
 
+pytestmark = pytest.mark.slow  # compiles ggml for AVX2: the slow tier
+
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "vendor" / "ggml"
 BUILD = ROOT / "vendor" / "build" / "avx2-check"
-CMAKE_ARGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON",
-              "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
-              "-DGGML_OPENMP=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
-              # our kernel files (vendor/kernels, copied there by build_ggml.sh) compile here too:
-              # their guards around AVX-512 code are checked by this build
-              f"-DGGML_CPU_DKV={'ON' if (SRC / 'src' / 'ggml-cpu' / 'dkv').is_dir() else 'OFF'}"]
+CMAKE_ARGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
+    "-DGGML_AVX512=OFF",
+    "-DGGML_OPENMP=ON",
+    "-DGGML_BUILD_TESTS=OFF",
+    "-DGGML_BUILD_EXAMPLES=OFF",
+    # our kernel files (vendor/kernels, copied there by build_ggml.sh) compile here too:
+    # their guards around AVX-512 code are checked by this build
+    f"-DGGML_CPU_DKV={'ON' if (SRC / 'src' / 'ggml-cpu' / 'dkv').is_dir() else 'OFF'}",
+]
 T, D, MF, MQ, HD, NQ, NH, NKV_H, NKV = 16, 256, 96, 64, 64, 70, 4, 2, 267
 
 
@@ -57,8 +70,13 @@ def avx2_check() -> Path:
         pytest.skip("needs cmake, a C compiler and a CPU with AVX2")
     stamp_file = SRC / ".pyggml_dkv_source"
     program = Path(__file__).with_name("avx2_check.c")
-    stamp = "|".join([stamp_file.read_text().strip() if stamp_file.exists() else "unknown", " ".join(CMAKE_ARGS),
-                      hashlib.sha256(program.read_bytes()).hexdigest()])
+    stamp = "|".join(
+        [
+            stamp_file.read_text().strip() if stamp_file.exists() else "unknown",
+            " ".join(CMAKE_ARGS),
+            hashlib.sha256(program.read_bytes()).hexdigest(),
+        ]
+    )
     key_file = BUILD / "key"
     exe = BUILD / "avx2_check"
     if not (key_file.exists() and key_file.read_text() == stamp and exe.exists()):
@@ -70,8 +88,23 @@ def avx2_check() -> Path:
         _run(["cmake", "--build", str(BUILD / "cmake"), "-j", jobs], BUILD / "build.log")
         libs = {p.name: p for p in (BUILD / "cmake").rglob("libggml*.a")}
         order = [libs[n] for n in ("libggml.a", "libggml-cpu.a", "libggml-base.a")]
-        _run(["cc", "-O2", "-I", str(SRC / "include"), str(program),
-              *map(str, order), "-fopenmp", "-lstdc++", "-lm", "-lpthread", "-o", str(exe)], BUILD / "link.log")
+        _run(
+            [
+                "cc",
+                "-O2",
+                "-I",
+                str(SRC / "include"),
+                str(program),
+                *map(str, order),
+                "-fopenmp",
+                "-lstdc++",
+                "-lm",
+                "-lpthread",
+                "-o",
+                str(exe),
+            ],
+            BUILD / "link.log",
+        )
         key_file.write_text(stamp)
     return exe
 
@@ -107,7 +140,7 @@ def test_avx2_only_build_runs_the_drafter_ops(avx2_check: Path, tmp_path: Path) 
 
     np.testing.assert_array_equal(fused.view(np.uint32), unfused.view(np.uint32))
     x64 = x.astype(np.float64)
-    want_norm = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * wn
+    want_norm = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * wn
     assert relative_error(fused.reshape(T, D), want_norm) < 1e-6
 
     # f16 and bf16 weights x f32 columns (0042: only f32 rounding of the sums remains); q8_0 quantizes
@@ -122,9 +155,18 @@ def test_avx2_only_build_runs_the_drafter_ops(avx2_check: Path, tmp_path: Path) 
     assert relative_error(yb_tail.reshape(9, 37), want_b[:9, :37]) < 2e-6
 
     att = att.reshape(NQ, NH, HD)
-    want_att = np.stack([attention(q[h][:, None].astype(np.float64), k[h // 2][:, None].astype(np.float64),
-                                   v[h // 2][:, None].astype(np.float64), visible[h % 2])[:, 0]
-                         for h in range(NH)], axis=1)
+    want_att = np.stack(
+        [
+            attention(
+                q[h][:, None].astype(np.float64),
+                k[h // 2][:, None].astype(np.float64),
+                v[h // 2][:, None].astype(np.float64),
+                visible[h % 2],
+            )[:, 0]
+            for h in range(NH)
+        ],
+        axis=1,
+    )
     assert math.isfinite(float(np.abs(att).max()))
     assert relative_error(att, want_att) < 2e-6, relative_error(att, want_att)
     np.testing.assert_allclose(att[5, 1], v[0, NKV - 1], rtol=1e-5, atol=1e-5)  # head 1: plane 1, row 5

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 import pyggml_dkv
-from pyggml_dkv.ggml._lowlevel import lib
 from pyggml_dkv.ggml import (
     Backend,
     BackendInfo,
@@ -17,7 +16,7 @@ from pyggml_dkv.ggml import (
     list_devices,
     live_objects,
 )
-
+from pyggml_dkv.ggml._lowlevel import lib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,11 +47,22 @@ def test_cuda_unavailable_here():
     assert live_objects().get("backend", 0) == before
 
 
-@pytest.mark.parametrize("spec, exc", [
-    ("gpu", ValueError), ("cpu:1", ValueError), ("cpu:0", ValueError), ("cuda:x", ValueError),
-    ("cuda:-1", ValueError), ("cuda:0:1", ValueError), ("", ValueError), ("metal", ValueError),
-    (3, TypeError), (None, TypeError), (b"cpu", TypeError),
-])
+@pytest.mark.parametrize(
+    "spec, exc",
+    [
+        ("gpu", ValueError),
+        ("cpu:1", ValueError),
+        ("cpu:0", ValueError),
+        ("cuda:x", ValueError),
+        ("cuda:-1", ValueError),
+        ("cuda:0:1", ValueError),
+        ("", ValueError),
+        ("metal", ValueError),
+        (3, TypeError),
+        (None, TypeError),
+        (b"cpu", TypeError),
+    ],
+)
 def test_bad_backend_specs(spec, exc):
     with pytest.raises(exc):
         Backend(spec)
@@ -89,5 +99,3 @@ def test_cpu_backend_basics():
     with pytest.raises(GGMLError):
         b.name
     b.close()  # twice is fine
-
-

@@ -12,6 +12,8 @@ from pyggml_dkv.ggml import built_capabilities
 from pyggml_dkv.ggml.capabilities import BARRIER_FUTEX
 from tests.child import run_in_child
 
+pytestmark = pytest.mark.slow  # a thread-barrier stress run: the slow tier
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the futex barrier is Linux-only")
 def test_waiting_thread_sleeps_in_graph_barriers():

@@ -17,8 +17,14 @@ import numpy as np
 import pytest
 
 from pyggml_dkv.common.numeric import relative_error
-from pyggml_dkv.ggml import Backend, bf16_matmul_kernel, bf16_products_on_fma, built_capabilities, cpu_features
-from pyggml_dkv.ggml import capabilities
+from pyggml_dkv.ggml import (
+    Backend,
+    bf16_matmul_kernel,
+    bf16_products_on_fma,
+    built_capabilities,
+    capabilities,
+    cpu_features,
+)
 from tests.child import run_in_child
 from tests.ggml.bf16_child import SHAPES, operands
 from tests.ggml.helpers import as_bf16

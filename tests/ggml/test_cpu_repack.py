@@ -21,26 +21,43 @@ import pytest
 from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing
 from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
-from pyggml_dkv.ggml import (GGML_REPACK_TYPES, Buffer, Context, cpu_extra_buffer_types, cpu_repack_fits, cpu_repack_kernel,
-                             dequantize, ffi, ggml_repack_fits, lib, quantize)
+from pyggml_dkv.drafter.backend_weights import BackendWeights, repack_buffer, upload_matrix
+from pyggml_dkv.ggml import (
+    GGML_REPACK_TYPES,
+    Buffer,
+    Context,
+    cpu_extra_buffer_types,
+    cpu_repack_fits,
+    cpu_repack_kernel,
+    dequantize,
+    ffi,
+    ggml_repack_fits,
+    lib,
+    quantize,
+)
 from pyggml_dkv.ggml.capabilities import vnni_repack_fits
-from pyggml_dkv.model.backend_weights import BackendWeights, repack_buffer, upload_matrix
 from tests.ggml.helpers import mul_mat_rows, quantize_q8_0_rows
+
 
 def product_in(cpu, kind: str | None, ty: str, raw: np.ndarray, shape: tuple[int, int], x: np.ndarray) -> np.ndarray:  # noqa: ANN001
     """x times the (out, in) `ty` matrix of blocks `raw`, uploaded to the `kind` buffer (None: ordinary)."""
     with Context(n_tensors=1) as ctx:
         wt = ctx.new_tensor(ty, shape[1], shape[0], name="w")
-        buf = (Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], cpu) if kind
-               else Buffer.alloc_ctx_tensors(ctx, cpu))
+        buf = (
+            Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[kind], cpu)
+            if kind
+            else Buffer.alloc_ctx_tensors(ctx, cpu)
+        )
         with buf:
             wt.set_bytes(raw)
             assert wt.is_repacked == (kind is not None)
             return mul_mat_rows(cpu, wt, x)
 
 
-needs_repack = pytest.mark.skipif(not all(ggml_repack_fits(t, (256, 8)) for t in GGML_REPACK_TYPES),
-                                  reason="no CPU_REPACK buffer with ggml's q4 kernels here (they need AVX2)")
+needs_repack = pytest.mark.skipif(
+    not all(ggml_repack_fits(t, (256, 8)) for t in GGML_REPACK_TYPES),
+    reason="no CPU_REPACK buffer with ggml's q4 kernels here (they need AVX2)",
+)
 
 
 @needs_repack
@@ -109,8 +126,11 @@ def test_q4_k_drafter_steps_on_the_repacked_kernels(cpu, tmp_path):
 
     cfg = DraftConfig.toy(vocab=128, mask_token_id=3, target_layer_ids=[1, 4, 7])
     w = DraftWeights(cfg, dict(DraftWeights.random(cfg, seed=9)))
-    g = DraftWeights.from_pretrained(w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype="q4_k",
-                                                       vocab_from=write_vocab_gguf(tmp_path / "t.gguf", 128)))
+    g = DraftWeights.from_pretrained(
+        w.save_pretrained(
+            tmp_path / "d.gguf", format="gguf", dtype="q4_k", vocab_from=write_vocab_gguf(tmp_path / "t.gguf", 128)
+        )
+    )
     rng = np.random.default_rng(4)
     cap = 40
     feats = rng.standard_normal((100, cfg.fc_in)).astype(np.float32)
@@ -120,12 +140,18 @@ def test_q4_k_drafter_steps_on_the_repacked_kernels(cpu, tmp_path):
             assert n_q4 > 0
             assert bw.n_repacked == (n_q4 if repack else 0) and bw.repack_kinds == (("CPU_REPACK",) if repack else ())
             if repack and vnni_repack_fits("q4_k", (256, 16)):  # every toy matrix has whole 16-row groups
-                assert {cpu_repack_kernel("q4_k", t.ne) for t in bw.tensors.values() if t.type == "q4_k"} == {"q4_K VNNI (patch 0021)"}
+                assert {cpu_repack_kernel("q4_k", t.ne) for t in bw.tensors.values() if t.type == "q4_k"} == {
+                    "q4_K VNNI (patch 0021)"
+                }
             ring = FeatureRing(cap + 3 * cfg.block_size, cfg.fc_in)
             with DraftKvCache(bw, cpu, cap, cache_type="f32") as cache:
                 for committed in (9, 25, 41, 60, 77, 100):  # the last ones past the cap: ring wraps
-                    ring.write(min(ring.written, committed), feats[min(ring.written, committed):committed])
-                    noise = np.random.default_rng(committed).standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
+                    ring.write(min(ring.written, committed), feats[min(ring.written, committed) : committed])
+                    noise = (
+                        np.random.default_rng(committed)
+                        .standard_normal((cfg.block_size, cfg.hidden))
+                        .astype(np.float32)
+                    )
                     got = cache.step(ring, committed, noise)
                     want = R.reference_step(g, feats, committed, cap, noise)
                     assert relative_error(got, want) < 5e-2, (repack, committed)
@@ -133,8 +159,10 @@ def test_q4_k_drafter_steps_on_the_repacked_kernels(cpu, tmp_path):
 
 # ------------------------------------------- q6_K, q4_K, q5_K and q4_0 on AVX512-VNNI (0020, 0021, 0022)
 VNNI_TYPES = ["q6_k", "q4_k", "q5_k", "q4_0"]
-needs_vnni_layouts = pytest.mark.skipif(not all(vnni_repack_fits(t, (256, 16)) for t in VNNI_TYPES),
-                                  reason="no VNNI kernels for these types here (vnni-q4_0 / -q4_k / -q5_k / -q6_k, AVX512-VNNI)")
+needs_vnni_layouts = pytest.mark.skipif(
+    not all(vnni_repack_fits(t, (256, 16)) for t in VNNI_TYPES),
+    reason="no VNNI kernels for these types here (vnni-q4_0 / -q4_k / -q5_k / -q6_k, AVX512-VNNI)",
+)
 
 
 def _q6_k_blocks(raw: np.ndarray, n_rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -165,7 +193,7 @@ def _kmin_blocks(ty: str, raw: np.ndarray, n_rows: int, k: int) -> tuple[np.ndar
     # 8-11 and the top 2 bits of bytes 0-3 (scales) / 4-7 (mins)
     sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
     mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
-    qs = blocks[..., size - 128:].astype(np.int32)
+    qs = blocks[..., size - 128 :].astype(np.int32)
     i = np.arange(256)
     sub = i // 32
     byte = qs[..., 32 * (sub // 2) + i % 32]
@@ -191,9 +219,9 @@ def _q6_vnni_exact(raw: np.ndarray, n_rows: int, x: np.ndarray) -> np.ndarray:
     codes, scales, d = _q6_k_blocks(raw, n_rows, k)
     xq, db = _quantize_per_256(x)
     coef = (scales.astype(np.float32) * np.repeat(d, 16, axis=1)).astype(np.float64)  # [rows, k // 16]
-    prod = (codes[None, :, :].astype(np.int64) - 32) * xq[:, None, :]                # [m, rows, k]
-    s = prod.reshape(m, n_rows, k // 16, 16).sum(-1)                                  # [m, rows, sub-blocks]
-    per_block = (s * coef[None]).reshape(m, n_rows, k // 256, 16).sum(-1)             # [m, rows, blocks]
+    prod = (codes[None, :, :].astype(np.int64) - 32) * xq[:, None, :]  # [m, rows, k]
+    s = prod.reshape(m, n_rows, k // 16, 16).sum(-1)  # [m, rows, sub-blocks]
+    per_block = (s * coef[None]).reshape(m, n_rows, k // 256, 16).sum(-1)  # [m, rows, blocks]
     return (per_block * db[:, None, :].astype(np.float64)).sum(-1)
 
 
@@ -205,7 +233,7 @@ def _kmin_vnni_exact(ty: str, raw: np.ndarray, n_rows: int, x: np.ndarray) -> np
     codes, sc, mn, d, dmin = _kmin_blocks(ty, raw, n_rows, k)
     xq, db = _quantize_per_256(x)
     s = (codes[None].astype(np.int64) * xq[:, None, :]).reshape(m, n_rows, k // 32, 32).sum(-1)  # [m, rows, subs]
-    xs = xq.reshape(m, k // 32, 32).sum(-1)                                                        # [m, subs]
+    xs = xq.reshape(m, k // 32, 32).sum(-1)  # [m, subs]
     isum = (s * sc[None]).reshape(m, n_rows, k // 256, 8).sum(-1)
     imin = (xs[:, None, :] * mn[None]).reshape(m, n_rows, k // 256, 8).sum(-1)
     per_block = d[None].astype(np.float64) * isum - dmin[None].astype(np.float64) * imin
@@ -247,8 +275,9 @@ def test_q4_0_codes_decode_to_ggmls_values():
     raw = quantize("q4_0", rng.standard_normal((4, 512)).astype(np.float32))
     codes, d = _q4_0_blocks(raw, 4, 512)
     assert codes.min() >= 0 and codes.max() <= 15
-    np.testing.assert_array_equal((np.repeat(d, 32, axis=1) * (codes - 8)).astype(np.float32),
-                                  dequantize("q4_0", raw, 4 * 512).reshape(4, 512))
+    np.testing.assert_array_equal(
+        (np.repeat(d, 32, axis=1) * (codes - 8)).astype(np.float32), dequantize("q4_0", raw, 4 * 512).reshape(4, 512)
+    )
 
 
 @needs_vnni_layouts
@@ -260,10 +289,12 @@ def test_q4_k_q5_k_codes_decode_to_ggmls_values(ty):
     raw = quantize(ty, rng.standard_normal((4, 512)).astype(np.float32))
     codes, sc, mn, d, dmin = _kmin_blocks(ty, raw, 4, 512)
     assert codes.min() >= 0 and codes.max() == (15 if ty == "q4_k" else 31) and sc.max() <= 63 and mn.max() <= 63
-    values = (np.repeat(d, 256, axis=1) * np.repeat(sc, 32, axis=1).astype(np.float64) * codes
-              - np.repeat(dmin, 256, axis=1) * np.repeat(mn, 32, axis=1).astype(np.float64))
-    np.testing.assert_allclose(dequantize(ty, raw, 4 * 512).reshape(4, 512), values, rtol=0,
-                               atol=2e-7 * np.abs(values).max())
+    values = np.repeat(d, 256, axis=1) * np.repeat(sc, 32, axis=1).astype(np.float64) * codes - np.repeat(
+        dmin, 256, axis=1
+    ) * np.repeat(mn, 32, axis=1).astype(np.float64)
+    np.testing.assert_allclose(
+        dequantize(ty, raw, 4 * 512).reshape(4, 512), values, rtol=0, atol=2e-7 * np.abs(values).max()
+    )
 
 
 @needs_vnni_layouts
@@ -356,13 +387,14 @@ def test_named_kernel_is_the_one_ggml_picks(cpu):
                     lib.ggml_backend_buffer_free(buf)
     named = {key: cpu_repack_kernel(*key) for key in picked}
     for ty, patch in (("q4_k", "0021"), ("q4_0", "0022")):
-        assert named[ty, (256, 16)] == f"{ty.replace('_k', '_K')} VNNI (patch {patch})" and named[ty, (256, 24)].startswith("ggml's")
+        assert named[ty, (256, 16)] == f"{ty.replace('_k', '_K')} VNNI (patch {patch})" and named[
+            ty, (256, 24)
+        ].startswith("ggml's")
     for a in picked:
         for b in picked:
             if picked[a] and picked[b]:
                 assert (picked[a] == picked[b]) == (named[a] == named[b]), (a, b)
             assert (picked[a] != 0) == (named[a] is not None), a
-
 
 
 @needs_vnni_layouts
@@ -397,8 +429,9 @@ def test_kernel_rule_on_cpus_without_vnni_or_without_our_kernels(monkeypatch):
     without = capabilities.built_capabilities() - {capabilities.Q4_0_VNNI_KERNEL}
     monkeypatch.setattr(capabilities, "built_capabilities", lambda: without)
     assert cpu_repack_kernel("q4_0", (256, 16)) == "ggml's q4_0 8x8 (AVX2)"
-    assert cpu_repack_kernel("q4_k", (256, 16)) == ("q4_K VNNI (vnni-q4_k)" if capabilities.vnni_repack_fits("q4_k", (256, 16))
-                                                    else "ggml's q4_K 8x8 (AVX2)")
+    assert cpu_repack_kernel("q4_k", (256, 16)) == (
+        "q4_K VNNI (vnni-q4_k)" if capabilities.vnni_repack_fits("q4_k", (256, 16)) else "ggml's q4_K 8x8 (AVX2)"
+    )
 
 
 @needs_repack

@@ -12,8 +12,7 @@ import pytest
 
 import pyggml_dkv
 from pyggml_dkv import Backend, BackendUnavailableError, DraftConfig, DraftKvCache, DraftWeights
-from pyggml_dkv.ggml import _lowlevel
-from pyggml_dkv.ggml import built_backends, cuda_graph_stats
+from pyggml_dkv.ggml import _lowlevel, built_backends, cuda_graph_stats
 
 CUDA_DEVICES = [b.name for b in pyggml_dkv.available_backends() if b.name.startswith("cuda:") and b.available]
 needs_gpu = pytest.mark.skipif(not CUDA_DEVICES, reason="no CUDA device (or this ggml was built without CUDA)")
@@ -34,12 +33,21 @@ def test_cuda_reported_unavailable_with_a_reason():
 
 def test_cuda_graph_events_are_parsed_from_ggml_debug_log():
     cuda_graph_stats(reset=True)
-    for msg in ("CUDA Graph id 7 reused", "ggml_backend_cuda_graph_compute: CUDA graph warmup complete",
-                "ggml_cuda_graph_update: CUDA graph update failed", "unrelated message about a graph",
-                "ggml_backend_cuda_graph_compute: CUDA graph warmup reset"):
+    for msg in (
+        "CUDA Graph id 7 reused",
+        "ggml_backend_cuda_graph_compute: CUDA graph warmup complete",
+        "ggml_cuda_graph_update: CUDA graph update failed",
+        "unrelated message about a graph",
+        "ggml_backend_cuda_graph_compute: CUDA graph warmup reset",
+    ):
         _lowlevel._count_cuda_graph_event(msg)
-    assert cuda_graph_stats(reset=True) == {"reused": 1, "warmup_complete": 1, "warmup_reset": 1,
-                                            "update_failed": 1, "disabled": 0}
+    assert cuda_graph_stats(reset=True) == {
+        "reused": 1,
+        "warmup_complete": 1,
+        "warmup_reset": 1,
+        "update_failed": 1,
+        "disabled": 0,
+    }
     assert sum(cuda_graph_stats().values()) == 0
 
 
@@ -52,8 +60,15 @@ def gpu():
 
 
 @needs_gpu
-@pytest.mark.parametrize("name", ["gqa1-hd64-q10-mixed-swa<cap", "gqa2-hd128-q16-mixed-swa>cap-yarn",
-                                  "gqa4-hd64-q16-full", "gqa4-hd128-q10-sliding"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gqa1-hd64-q10-mixed-swa<cap",
+        "gqa2-hd128-q16-mixed-swa>cap-yarn",
+        "gqa4-hd64-q16-full",
+        "gqa4-hd128-q10-sliding",
+    ],
+)
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
 def test_parity_on_cuda(name, cache_type, gpu, parity_log):
     from tests.drafter.test_parity import CONFIGS, TOL, run_trajectory
@@ -61,8 +76,20 @@ def test_parity_on_cuda(name, cache_type, gpu, parity_log):
     spec = CONFIGS[name]
     # ggml's CUDA flash attention converts K and V to f16 whatever the cache's type: an f32 cache
     # computes to f16's precision there (measured on an H200: 1.2-1.5e-3 against the reference)
-    run_trajectory(DraftConfig(**spec["cfg"]), spec["cap"], "f32", cache_type, "seed", False, n_steps=40,
-                   seed=5, cpu=gpu, parity_log=parity_log, case=f"{name} [CUDA]", tol=TOL["f16"])
+    run_trajectory(
+        DraftConfig(**spec["cfg"]),
+        spec["cap"],
+        "f32",
+        cache_type,
+        "seed",
+        False,
+        n_steps=40,
+        seed=5,
+        cpu=gpu,
+        parity_log=parity_log,
+        case=f"{name} [CUDA]",
+        tol=TOL["f16"],
+    )
 
 
 @needs_gpu
@@ -87,7 +114,7 @@ def test_step_graph_replays_as_a_cuda_graph(gpu):
         cache.step(ring, 100, noise)
         cuda_graph_stats(reset=True)
         for committed in range(101, 161):
-            ring.append(feats[committed - 1:committed])
+            ring.append(feats[committed - 1 : committed])
             cache.step(ring, committed, noise)
         stats = cuda_graph_stats(reset=True)
     # ggml captures the graph on the second identical compute and replays it silently afterwards;
@@ -109,8 +136,18 @@ def test_lanes_on_cuda_match_single_lane_caches(cache_type, gpu, parity_log):
     from pyggml_dkv import reference as R
     from pyggml_dkv.common.numeric import relative_error
 
-    cfg = DraftConfig(hidden=128, n_layer=2, n_head=8, n_head_kv=2, head_dim=64, ffn=256, block_size=8,
-                      n_target_layers=2, layer_types=["full", "sliding"], swa_window=24)
+    cfg = DraftConfig(
+        hidden=128,
+        n_layer=2,
+        n_head=8,
+        n_head_kv=2,
+        head_dim=64,
+        ffn=256,
+        block_size=8,
+        n_target_layers=2,
+        layer_types=["full", "sliding"],
+        swa_window=24,
+    )
     w = DraftWeights.random(cfg, seed=2)
     rng = np.random.default_rng(3)
     lanes, cap = 3, 61
@@ -123,13 +160,18 @@ def test_lanes_on_cuda_match_single_lane_caches(cache_type, gpu, parity_log):
             for step in range(30):
                 active = [bool(rng.random() < 0.7) for _ in range(lanes)]
                 active[step % lanes] = True
-                noise = [rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32) if a else None for a in active]
+                noise = [
+                    rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32) if a else None for a in active
+                ]
                 for lane in range(lanes):
                     if active[lane]:
                         n = int(rng.integers(1, 2 * cfg.block_size)) if step else 100
-                        rings[lane].append(feats[lane][rings[lane].written:rings[lane].written + n])
-                got = multi.step([r if a else None for r, a in zip(rings, active)],
-                                 [r.written if a else None for r, a in zip(rings, active)], noise)
+                        rings[lane].append(feats[lane][rings[lane].written : rings[lane].written + n])
+                got = multi.step(
+                    [r if a else None for r, a in zip(rings, active)],
+                    [r.written if a else None for r, a in zip(rings, active)],
+                    noise,
+                )
                 for lane in range(lanes):
                     if not active[lane]:
                         continue

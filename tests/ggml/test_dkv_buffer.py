@@ -11,7 +11,6 @@ import pytest
 
 from pyggml_dkv.ggml import Backend, Buffer, Context, built_capabilities, cpu_extra_buffer_types, lib
 from pyggml_dkv.ggml.capabilities import CPU_DKV_HOOK, DKV_BUFFER_KERNEL, DKV_BUFFER_TYPE
-
 from tests.ggml.helpers import compute
 
 
@@ -24,8 +23,10 @@ def test_buffer_type_is_listed_exactly_when_built():
         assert listed.count(DKV_BUFFER_TYPE) == 1
 
 
-needs_dkv_buffer = pytest.mark.skipif(DKV_BUFFER_KERNEL not in built_capabilities(),
-                                      reason="ggml built without our extra buffer type (GGML_PATCHES=none or GGML_SRC)")
+needs_dkv_buffer = pytest.mark.skipif(
+    DKV_BUFFER_KERNEL not in built_capabilities(),
+    reason="ggml built without our extra buffer type (GGML_PATCHES=none or GGML_SRC)",
+)
 
 
 @needs_dkv_buffer
@@ -55,8 +56,10 @@ def test_ops_no_kernel_of_ours_takes_compute_as_ggml(rng):
     x = rng.standard_normal((70, 64)).astype(np.float32)
     rows = np.array([3, 0, 7], np.int32)
     with Backend("cpu") as cpu:
-        cases = [(lambda g, a, b: g.mul_mat(a, b), ("f32", x)),  # 70 columns: wider than the narrow kernels
-                 (lambda g, a, b: g.get_rows(a, b), ("i32", rows))]
+        cases = [
+            (lambda g, a, b: g.mul_mat(a, b), ("f32", x)),  # 70 columns: wider than the narrow kernels
+            (lambda g, a, b: g.get_rows(a, b), ("i32", rows)),
+        ]
         for wtype, w in (("f16", w16), ("f32", w32)):
             for build, second in cases:
                 ours = compute(cpu, [(wtype, w), second], build, dkv=(0,))

@@ -7,7 +7,9 @@ import pytest
 
 from tests.fuzzing import run_fuzz_group
 
-GROUPS = {'ggml_api': 150, 'ggml_ops': 400}  # group -> examples at scale 1 (each example is one or more cases)
+pytestmark = pytest.mark.slow  # hypothesis fuzzing of the ops: the slow tier
+
+GROUPS = {"ggml_api": 150, "ggml_ops": 400}  # group -> examples at scale 1 (each example is one or more cases)
 
 
 @pytest.mark.parametrize("group", list(GROUPS))

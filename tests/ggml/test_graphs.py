@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyggml_dkv.ggml._lowlevel import ffi, lib
 from pyggml_dkv.ggml import (
     Backend,
     Buffer,
@@ -18,7 +17,7 @@ from pyggml_dkv.ggml import (
     Graph,
     live_objects,
 )
-
+from pyggml_dkv.ggml._lowlevel import ffi, lib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,14 +63,18 @@ def test_gallocr_recompute_with_new_inputs(be, rng):
             w.set(wv)
             graph = Graph(g, 32)
             out = graph.expand(g.silu(g.mul_mat(w, g.scale(x, 0.5))).set_output())
-            assert graph.n_nodes == 3 and graph.node(-1) == out and [n.op for n in graph.nodes()] == ["SCALE", "MUL_MAT", "SILU"]
+            assert (
+                graph.n_nodes == 3
+                and graph.node(-1) == out
+                and [n.op for n in graph.nodes()] == ["SCALE", "MUL_MAT", "SILU"]
+            )
             with Gallocr(be) as galloc:
                 galloc.reserve(graph)
                 reserved = galloc.buffer_size
                 galloc.alloc_graph(graph)
                 assert galloc.n_allocs == 1 and galloc.buffer_size == reserved > 0
                 results = []
-                for step in range(3):
+                for _ in range(3):
                     xv = rng.standard_normal((4, 16)).astype(np.float32)
                     x.set(xv)
                     graph.compute(be)
@@ -90,7 +93,11 @@ def test_gallocr_recompute_with_new_inputs(be, rng):
 
 def test_gallocr_growth_detaches_older_graphs(be):
     """A bigger graph makes ggml free the allocator's buffer: older graphs must be re-allocated, not read freed memory."""
-    with Context(n_tensors=2) as ctx, Context(n_tensors=8, graph_size=8) as g1, Context(n_tensors=8, graph_size=8) as g2:
+    with (
+        Context(n_tensors=2) as ctx,
+        Context(n_tensors=8, graph_size=8) as g1,
+        Context(n_tensors=8, graph_size=8) as g2,
+    ):
         a = ctx.new_tensor("f32", 4, 2)
         big = ctx.new_tensor("f32", 4096, 16)
         with Buffer.alloc_ctx_tensors(ctx, be), Gallocr(be) as galloc:

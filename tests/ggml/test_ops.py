@@ -10,7 +10,9 @@ import pytest
 
 import pyggml_dkv
 from pyggml_dkv import DraftConfig
-from pyggml_dkv.ggml._lowlevel import lib
+from pyggml_dkv.common.bf16 import from_bf16_bits as bf16_bits_to_fp32
+from pyggml_dkv.common.bf16 import to_bf16_bits as fp32_to_bf16_bits
+from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.ggml import (
     Backend,
     Context,
@@ -18,10 +20,7 @@ from pyggml_dkv.ggml import (
     f16_matmul_kernel,
     flash_attn_kernel,
 )
-from pyggml_dkv.common.bf16 import from_bf16_bits as bf16_bits_to_fp32, to_bf16_bits as fp32_to_bf16_bits
-from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.reference import attention, rope_neox
-
 from tests.ggml.helpers import NEOX, as_bf16, compute
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,20 +43,44 @@ def test_mul_mat_against_numpy(be, rng, wtype, tol):
 # the narrow kernels (f16: old patch 0004; bf16: 0019, 0029, 0041; both on AVX2: 0042): whether
 # this build and CPU run them for a product (rows m, inputs k, columns n) of weights in the
 # CPU_DKV buffer
-NARROW_KERNELS = {"f16": lambda m, k, n: f16_matmul_kernel((k, m), n_columns=n) != "ggml",
-                  "bf16": lambda m, k, n: bf16_matmul_kernel((k, m), n_columns=n) != "ggml"}
+NARROW_KERNELS = {
+    "f16": lambda m, k, n: f16_matmul_kernel((k, m), n_columns=n) != "ggml",
+    "bf16": lambda m, k, n: bf16_matmul_kernel((k, m), n_columns=n) != "ggml",
+}
 
 
 @pytest.mark.parametrize("wtype", ["f16", "bf16"])
-@pytest.mark.parametrize("m, k, n", [(5, 64, 3), (4, 1024, 16), (70, 96, 34), (33, 48, 64), (33, 64, 64), (9, 32, 1),
-                                     (6, 64, 65), (7, 40, 8), (7, 48, 8), (13, 5120, 9),
-                                     # whole 16-row blocks: bf16 on AMX-BF16 tiles where the CPU has them (0029),
-                                     # 1-4 column groups, the last one full or narrower
-                                     (16, 32, 1), (48, 1024, 9), (32, 64, 16), (80, 96, 17), (64, 5120, 34),
-                                     (16, 3072, 48), (32, 160, 63), (16, 64, 64),
-                                     # f16: row groups of 8 blocks with K <= 1024 (0034), whole and partial,
-                                     # a last block of one row; wider K ungrouped
-                                     (205, 1024, 16), (100, 1024, 64), (261, 512, 9), (37, 2048, 16)])
+@pytest.mark.parametrize(
+    "m, k, n",
+    [
+        (5, 64, 3),
+        (4, 1024, 16),
+        (70, 96, 34),
+        (33, 48, 64),
+        (33, 64, 64),
+        (9, 32, 1),
+        (6, 64, 65),
+        (7, 40, 8),
+        (7, 48, 8),
+        (13, 5120, 9),
+        # whole 16-row blocks: bf16 on AMX-BF16 tiles where the CPU has them (0029),
+        # 1-4 column groups, the last one full or narrower
+        (16, 32, 1),
+        (48, 1024, 9),
+        (32, 64, 16),
+        (80, 96, 17),
+        (64, 5120, 34),
+        (16, 3072, 48),
+        (32, 160, 63),
+        (16, 64, 64),
+        # f16: row groups of 8 blocks with K <= 1024 (0034), whole and partial,
+        # a last block of one row; wider K ungrouped
+        (205, 1024, 16),
+        (100, 1024, 64),
+        (261, 512, 9),
+        (37, 2048, 16),
+    ],
+)
 def test_mul_mat_half_weights_few_columns(rng, wtype, m, k, n):
     """f16 / bf16 weights x up to 64 f32 columns on the narrow AVX-512 kernels (on CPUs with AVX2 and
     no AVX-512: 0042's, the f16 and FMA ones' arithmetic, checked alike), which run for weights in
@@ -111,8 +134,11 @@ def test_add_mul_sub_broadcast(be, rng):
     row = rng.standard_normal((1, 1, 8)).astype(np.float32)
     mat = rng.standard_normal((1, 4, 8)).astype(np.float32)
     col = rng.standard_normal((3, 4, 1)).astype(np.float32)
-    got = compute(be, [("f32", a), ("f32", row), ("f32", mat), ("f32", col)],
-                  lambda g, x, r, m, c: (g.add(x, r), g.mul(x, m), g.sub(x, c), g.add(x, x)))
+    got = compute(
+        be,
+        [("f32", a), ("f32", row), ("f32", mat), ("f32", col)],
+        lambda g, x, r, m, c: (g.add(x, r), g.mul(x, m), g.sub(x, c), g.add(x, x)),
+    )
     np.testing.assert_allclose(got[0], a + row, rtol=1e-6)
     np.testing.assert_allclose(got[1], a * mat, rtol=1e-6)
     np.testing.assert_allclose(got[2], a - col, rtol=1e-6)
@@ -131,8 +157,8 @@ def test_unary_ops(be, rng):
     x = np.concatenate([np.linspace(-25, 25, 40), rng.standard_normal(24) * 3]).astype(np.float32).reshape(4, 16)
     eps = 1e-5
     rms, silu, scaled, tanh, softplus = compute(
-        be, [("f32", x)],
-        lambda g, a: (g.rms_norm(a, eps), g.silu(a), g.scale(a, -0.375), g.tanh(a), g.softplus(a)))
+        be, [("f32", x)], lambda g, a: (g.rms_norm(a, eps), g.silu(a), g.scale(a, -0.375), g.tanh(a), g.softplus(a))
+    )
     x64 = x.astype(np.float64)
     np.testing.assert_allclose(rms, x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(silu, x64 / (1 + np.exp(-x64)), rtol=1e-5, atol=1e-6)
@@ -142,19 +168,35 @@ def test_unary_ops(be, rng):
 
 
 def _rope(g, a, p, cfg: DraftConfig):
-    return g.rope_ext(a, p, cfg.head_dim, NEOX, cfg.n_ctx_orig, cfg.rope_theta, cfg.freq_scale,
-                      cfg.ext_factor, cfg.attn_factor, cfg.beta_fast, cfg.beta_slow)
+    return g.rope_ext(
+        a,
+        p,
+        cfg.head_dim,
+        NEOX,
+        cfg.n_ctx_orig,
+        cfg.rope_theta,
+        cfg.freq_scale,
+        cfg.ext_factor,
+        cfg.attn_factor,
+        cfg.beta_fast,
+        cfg.beta_slow,
+    )
 
 
-@pytest.mark.parametrize("yarn", [
-    {},
-    {"rope_theta": 10000.0},
-    {"rope_theta": 10000.0, "freq_scale": 0.25, "ext_factor": 1.0, "n_ctx_orig": 64, "attn_factor": 1.0},
-    {"rope_theta": 500000.0, "freq_scale": 0.125, "ext_factor": 0.5, "n_ctx_orig": 8192, "attn_factor": 0.9},
-], ids=["plain", "theta1e4", "yarn", "yarn-partial"])
+@pytest.mark.parametrize(
+    "yarn",
+    [
+        {},
+        {"rope_theta": 10000.0},
+        {"rope_theta": 10000.0, "freq_scale": 0.25, "ext_factor": 1.0, "n_ctx_orig": 64, "attn_factor": 1.0},
+        {"rope_theta": 500000.0, "freq_scale": 0.125, "ext_factor": 0.5, "n_ctx_orig": 8192, "attn_factor": 0.9},
+    ],
+    ids=["plain", "theta1e4", "yarn", "yarn-partial"],
+)
 def test_rope_neox_against_reference(be, rng, yarn):
-    cfg = DraftConfig(hidden=48, n_layer=1, n_head=3, n_head_kv=1, head_dim=16, ffn=32, block_size=4,
-                      n_target_layers=1, **yarn)
+    cfg = DraftConfig(
+        hidden=48, n_layer=1, n_head=3, n_head_kv=1, head_dim=16, ffn=32, block_size=4, n_target_layers=1, **yarn
+    )
     x = rng.standard_normal((5, 3, 16)).astype(np.float32)  # (tokens, heads, head_dim) = ggml [16, 3, 5]
     pos = np.array([0, 1, 7, 100, 3000], np.int32)
     got = compute(be, [("f32", x), ("i32", pos)], lambda g, a, p: _rope(g, a, p, cfg))
@@ -180,9 +222,14 @@ def test_flash_attn_ext_gqa_with_mask(be, rng, prec_f32):
     got = compute(
         be,
         # ggml q [d, n_q, n_head, 1], k/v [d, n_kv, n_head_kv, 1], mask [n_kv, >= n_q]
-        [("f32", q.transpose(1, 0, 2)[None]), ("f16", k.transpose(1, 0, 2)[None]),
-         ("f16", v.transpose(1, 0, 2)[None]), ("f16", mask)],
-        lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=prec_f32))
+        [
+            ("f32", q.transpose(1, 0, 2)[None]),
+            ("f16", k.transpose(1, 0, 2)[None]),
+            ("f16", v.transpose(1, 0, 2)[None]),
+            ("f16", mask),
+        ],
+        lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=prec_f32),
+    )
     assert got.shape == (1, n_q, n_head, d)  # ggml [d, n_head, n_q, 1]
     want = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), visible)
     assert relative_error(got[0], want) < 3e-3, relative_error(got[0], want)
@@ -228,9 +275,15 @@ def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
     with Backend("cpu", n_threads=n_threads) as backend:
         got = compute(
             backend,
-            [("f32", q.transpose(1, 0, 2)[None]), (kv_type, k_nan.transpose(1, 0, 2)[None]),
-             (kv_type, v_nan.transpose(1, 0, 2)[None]), ("f16", mask)],
-            lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=True), dkv=(1, 2))
+            [
+                ("f32", q.transpose(1, 0, 2)[None]),
+                (kv_type, k_nan.transpose(1, 0, 2)[None]),
+                (kv_type, v_nan.transpose(1, 0, 2)[None]),
+                ("f16", mask),
+            ],
+            lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=True),
+            dkv=(1, 2),
+        )
     want = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), visible)
     assert relative_error(got[0], want) < 2e-6, relative_error(got[0], want)
     np.testing.assert_allclose(got[0, 5], v[266], rtol=1e-6, atol=1e-6)
@@ -269,10 +322,15 @@ def test_flash_attn_ext_masked_non_finite_keys_stay_out(rng, kv_type, n_threads,
     with Backend("cpu", n_threads=n_threads) as backend:
         got = compute(
             backend,
-            [("f32", q.transpose(1, 0, 2)[None]), (kv_type, k_bad.transpose(1, 0, 2)[None]),
-             (kv_type, v_bad.transpose(1, 0, 2)[None]), ("f16", mask)],
+            [
+                ("f32", q.transpose(1, 0, 2)[None]),
+                (kv_type, k_bad.transpose(1, 0, 2)[None]),
+                (kv_type, v_bad.transpose(1, 0, 2)[None]),
+                ("f16", mask),
+            ],
             lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=True),
-            dkv=(1, 2) if kv_in == "dkv" else ())
+            dkv=(1, 2) if kv_in == "dkv" else (),
+        )
     assert np.isfinite(got).all(), f"{np.isnan(got).sum()} NaN, {np.isinf(got).sum()} inf of {got.size}"
     want = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), visible)
     assert relative_error(got[0], want) < 1e-2, relative_error(got[0], want)  # ggml's per-row kernel sums V in f16
@@ -304,21 +362,37 @@ def test_flash_attn_ext_tiled_kernel_mask_per_head(rng, n_threads, prec_bf16, n_
     visible[0, 5] = False
     visible[0, 5, 266] = True  # plane 0, row 5: the partial tile's last key only
     mask = np.where(visible, 0, -np.inf).astype(np.float16)[None]  # ggml [n_kv, n_q, 2, 1]
-    specs = [("f32", q.transpose(1, 0, 2)[None]), ("f16", k.transpose(1, 0, 2)[None]),
-             ("f16", v.transpose(1, 0, 2)[None]), ("f16", mask)]
+    specs = [
+        ("f32", q.transpose(1, 0, 2)[None]),
+        ("f16", k.transpose(1, 0, 2)[None]),
+        ("f16", v.transpose(1, 0, 2)[None]),
+        ("f16", mask),
+    ]
     with Backend("cpu", n_threads=n_threads) as backend:
-        got = compute(backend, specs, lambda g, qt, kt, vt, m: g.flash_attn_ext(
-            qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=not prec_bf16, prec_bf16=prec_bf16), dkv=(1, 2))
+        got = compute(
+            backend,
+            specs,
+            lambda g, qt, kt, vt, m: g.flash_attn_ext(
+                qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=not prec_bf16, prec_bf16=prec_bf16
+            ),
+            dkv=(1, 2),
+        )
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
-    want = np.stack([attention(q64[:, h:h + 1], k64[:, h // 2:h // 2 + 1], v64[:, h // 2:h // 2 + 1], visible[h % 2])[:, 0]
-                     for h in range(n_head)], axis=1)
+    want = np.stack(
+        [
+            attention(q64[:, h : h + 1], k64[:, h // 2 : h // 2 + 1], v64[:, h // 2 : h // 2 + 1], visible[h % 2])[:, 0]
+            for h in range(n_head)
+        ],
+        axis=1,
+    )
     assert got.shape == (1, n_q, n_head, d)
     assert relative_error(got[0], want) < (1.5e-2 if prec_bf16 else 2e-6), relative_error(got[0], want)
     np.testing.assert_allclose(got[0, 5, 0], v[266, 0], rtol=1e-2, atol=1e-2)
 
 
-needs_bf16_attention = pytest.mark.skipif(not pyggml_dkv.bf16_attention_supported(),
-                                          reason="ggml built without our bf16 attention kernel (fa-bf16)")
+needs_bf16_attention = pytest.mark.skipif(
+    not pyggml_dkv.bf16_attention_supported(), reason="ggml built without our bf16 attention kernel (fa-bf16)"
+)
 
 
 @needs_bf16_attention
@@ -343,11 +417,23 @@ def test_flash_attn_ext_bf16_products(rng, cpu_runs_bf16_attention, n_threads, d
     k_nan, v_nan = k.copy(), v.copy()
     k_nan[64:128], v_nan[64:128] = np.nan, np.nan
     k_nan[130], v_nan[130] = np.nan, np.nan
-    specs = [("f32", q.transpose(1, 0, 2)[None]), ("f16", k_nan.transpose(1, 0, 2)[None]),
-             ("f16", v_nan.transpose(1, 0, 2)[None]), ("f16", mask)]
+    specs = [
+        ("f32", q.transpose(1, 0, 2)[None]),
+        ("f16", k_nan.transpose(1, 0, 2)[None]),
+        ("f16", v_nan.transpose(1, 0, 2)[None]),
+        ("f16", mask),
+    ]
     with Backend("cpu", n_threads=n_threads) as backend:
-        fast, exact = (compute(backend, specs, lambda g, qt, kt, vt, m, bf=bf: g.flash_attn_ext(
-            qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=not bf, prec_bf16=bf)) for bf in (True, False))
+        fast, exact = (
+            compute(
+                backend,
+                specs,
+                lambda g, qt, kt, vt, m, bf=bf: g.flash_attn_ext(
+                    qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=not bf, prec_bf16=bf
+                ),
+            )
+            for bf in (True, False)
+        )
     want = attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), visible)
     assert np.isfinite(fast).all()
     assert relative_error(exact[0], want) < 2e-6
@@ -367,8 +453,14 @@ def test_flash_attn_ext_bf16_falls_back_to_f32_for_other_head_sizes(be, rng):
     kv = rng.standard_normal((1, 1, n_kv, d)).astype(np.float16)
     mask = np.zeros((n_q, n_kv), np.float16)
     specs = [("f32", q), ("f16", kv), ("f16", kv), ("f16", mask)]
-    fast, exact = (compute(be, specs, lambda g, qt, kt, vt, m, bf=bf: g.flash_attn_ext(
-        qt, kt, vt, m, 0.1, prec_f32=not bf, prec_bf16=bf)) for bf in (True, False))
+    fast, exact = (
+        compute(
+            be,
+            specs,
+            lambda g, qt, kt, vt, m, bf=bf: g.flash_attn_ext(qt, kt, vt, m, 0.1, prec_f32=not bf, prec_bf16=bf),
+        )
+        for bf in (True, False)
+    )
     np.testing.assert_array_equal(fast, exact)
 
 
@@ -394,8 +486,9 @@ def _alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
-@pytest.mark.parametrize("d,n_q,softcap,max_bias", [(128, 20, 0.0, 0.0), (128, 20, 5.0, 8.0), (64, 64, 2.0, 0.0),
-                                                    (80, 12, 0.0, 4.0)])
+@pytest.mark.parametrize(
+    "d,n_q,softcap,max_bias", [(128, 20, 0.0, 0.0), (128, 20, 5.0, 8.0), (64, 64, 2.0, 0.0), (80, 12, 0.0, 4.0)]
+)
 def test_flash_attn_ext_tiled_kernel_bias_and_softcap(rng, n_threads, d, n_q, softcap, max_bias):
     """The tiled kernel with what the drafter does not use but ggml offers: finite additive mask
     values (the mask is converted and added, not only tested for -inf), ALiBi slopes per query head
@@ -415,10 +508,17 @@ def test_flash_attn_ext_tiled_kernel_bias_and_softcap(rng, n_threads, d, n_q, so
     with Backend("cpu", n_threads=n_threads) as backend:
         got = compute(
             backend,
-            [("f32", q.transpose(1, 0, 2)[None]), ("f16", k.transpose(1, 0, 2)[None]),
-             ("f16", v.transpose(1, 0, 2)[None]), ("f16", bias)],
-            lambda g, qt, kt, vt, m: g.flash_attn_ext(qt, kt, vt, m, scale, max_bias=max_bias,
-                                                      logit_softcap=softcap, prec_f32=True), dkv=(1, 2))
+            [
+                ("f32", q.transpose(1, 0, 2)[None]),
+                ("f16", k.transpose(1, 0, 2)[None]),
+                ("f16", v.transpose(1, 0, 2)[None]),
+                ("f16", bias),
+            ],
+            lambda g, qt, kt, vt, m: g.flash_attn_ext(
+                qt, kt, vt, m, scale, max_bias=max_bias, logit_softcap=softcap, prec_f32=True
+            ),
+            dkv=(1, 2),
+        )
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     s = np.einsum("qhd,kd->hqk", q64, k64[:, 0]) * scale
     if softcap:
@@ -447,6 +547,7 @@ def test_rms_norm_times_weights_fused_bit_identical(rng, n_threads, shape, w_len
             normed = g.rms_norm(xt, eps)
             out = g.mul(normed, wt)
             return (out, normed) if keep_norm else out
+
         return graph
 
     with Backend("cpu", n_threads=n_threads) as backend:
@@ -454,7 +555,7 @@ def test_rms_norm_times_weights_fused_bit_identical(rng, n_threads, shape, w_len
         unfused, normed = compute(backend, [("f32", x), ("f32", w)], build(True))
     np.testing.assert_array_equal(fused.view(np.uint32), unfused.view(np.uint32))
     x64 = x.astype(np.float64)
-    want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * w
+    want = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps) * w
     assert relative_error(fused, want) < 1e-6
     assert relative_error(normed, want / w) < 1e-6
 
@@ -465,11 +566,14 @@ def test_rms_norm_times_weights_not_fused_when_unlike(rng):
     x = rng.standard_normal((4, 32)).astype(np.float32)
     w2 = rng.standard_normal((2, 32)).astype(np.float32)
     x64 = x.astype(np.float64)
-    n64 = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6)
+    n64 = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6)
     with Backend("cpu", n_threads=2) as backend:
         got = compute(backend, [("f32", x), ("f32", w2)], lambda g, xt, wt: g.mul(g.rms_norm(xt, 1e-6), wt))
-        twice = compute(backend, [("f32", x), ("f32", w2[:1])],
-                        lambda g, xt, wt: (lambda n: g.add(g.mul(n, wt), n))(g.rms_norm(xt, 1e-6)))
+        twice = compute(
+            backend,
+            [("f32", x), ("f32", w2[:1])],
+            lambda g, xt, wt: (lambda n: g.add(g.mul(n, wt), n))(g.rms_norm(xt, 1e-6)),
+        )
     assert relative_error(got, n64 * np.tile(w2, (2, 1))) < 1e-6
     assert relative_error(twice, n64 * w2[0] + n64) < 1e-6
 
@@ -489,8 +593,11 @@ def test_set_rows_and_get_rows(be, rng, dest):
     src = rng.standard_normal((2, 8)).astype(np.float32)
     idx = np.array([4, 1], np.int32)
     gather = np.array([5, 0, 5], np.int32)
-    written, rows = compute(be, [(dest, a), ("f32", src), ("i32", idx), ("i32", gather)],
-                            lambda g, t, s, r, gi: (g.set_rows(t, s, r), g.get_rows(t, gi)))
+    written, rows = compute(
+        be,
+        [(dest, a), ("f32", src), ("i32", idx), ("i32", gather)],
+        lambda g, t, s, r, gi: (g.set_rows(t, s, r), g.get_rows(t, gi)),
+    )
     cast = (lambda y: y.astype(np.float16).astype(np.float32)) if dest == "f16" else (lambda y: y)
     want = cast(a).copy()
     want[idx] = cast(src)
@@ -519,8 +626,9 @@ def test_concat(be, rng):
     a = rng.standard_normal((3, 4)).astype(np.float32)
     b = rng.standard_normal((3, 2)).astype(np.float32)
     c = rng.standard_normal((5, 4)).astype(np.float32)
-    cols, rows = compute(be, [("f32", a), ("f32", b), ("f32", c)],
-                         lambda g, x, y, z: (g.concat(x, y, 0), g.concat(x, z, 1)))
+    cols, rows = compute(
+        be, [("f32", a), ("f32", b), ("f32", c)], lambda g, x, y, z: (g.concat(x, y, 0), g.concat(x, z, 1))
+    )
     np.testing.assert_array_equal(cols, np.concatenate([a, b], axis=1))
     np.testing.assert_array_equal(rows, np.concatenate([a, c], axis=0))
 
@@ -566,9 +674,16 @@ def test_cast_and_cpy(be, rng):
     x = (rng.standard_normal((4, 32)) * 100).astype(np.float32)
     x[0, :6] = [1 + 2**-8, 1 + 3 * 2**-8, 65519.0, 1e-8, -0.0, 3.0e5]  # ties, f16 overflow, f16 subnormal
     f16, bf16, q8, back, as_i32 = compute(
-        be, [("f32", x), ("f16", np.zeros((4, 32), np.float32))],
-        lambda g, t, dst: (g.cast(t, "f16"), g.cast(t, "bf16"), g.cast(t, "q8_0"),
-                           g.cast(g.cpy(t, dst), "f32"), g.cast(t, "i32")))
+        be,
+        [("f32", x), ("f16", np.zeros((4, 32), np.float32))],
+        lambda g, t, dst: (
+            g.cast(t, "f16"),
+            g.cast(t, "bf16"),
+            g.cast(t, "q8_0"),
+            g.cast(g.cpy(t, dst), "f32"),
+            g.cast(t, "i32"),
+        ),
+    )
     np.testing.assert_array_equal(f16, x.astype(np.float16).astype(np.float32))  # ggml's f16 == numpy's RNE
     np.testing.assert_array_equal(bf16, bf16_bits_to_fp32(fp32_to_bf16_bits(x)))
     assert relative_error(q8, x) < 1e-2
@@ -628,5 +743,3 @@ def test_argmax_is_ggmls_last_index_of_the_maximum(n_threads, rng):
             got = compute(backend, [("f32", x)], lambda g, t: g.argmax(t))
             want = [_ggml_scalar_argmax(row) for row in x]
             np.testing.assert_array_equal(got, want, err_msg=f"width {width}")
-
-

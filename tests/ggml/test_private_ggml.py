@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import ctypes.util
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import pyggml_dkv
 import pyggml_dkv.ggml
 from pyggml_dkv._cffi import stamp as _stamp
 from pyggml_dkv._cffi.stamp import BuildStamp, check_extension, expected_build, extension_build
 from pyggml_dkv.ggml import _lowlevel
-
 from tests.child import run_in_child
 from tests.ggml.elf_dynsym import dynamic_symbols
+
+pytestmark = pytest.mark.slow  # child interpreters with a second ggml: the slow tier
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parent
@@ -53,8 +54,14 @@ def test_extension_exports_only_its_init_and_imports_no_ggml():
 
 def test_symbol_reader_sees_exports_of_a_real_library():
     """The reader is not blind: libc exports malloc, and the extension needs it from outside."""
-    libc = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                 if "/libc.so" in line or "/libc-" in line), None) or ctypes.util.find_library("c")
+    libc = next(
+        (
+            line.split()[-1]
+            for line in Path("/proc/self/maps").read_text().splitlines()
+            if "/libc.so" in line or "/libc-" in line
+        ),
+        None,
+    ) or ctypes.util.find_library("c")
     exported, _ = dynamic_symbols(Path(libc))
     assert {"malloc", "free"} <= exported
     _, undefined = dynamic_symbols(extension_path())
@@ -82,8 +89,11 @@ def test_extension_stamp_is_the_recorded_build_which_ggml_answers():
     # the ggml answering the extension's calls is this build (llama.cpp's reports the same version)
     assert ffi.string(lib.ggml_commit()).decode() == built.build_id
     assert ffi.string(lib.ggml_version()).decode() == built.version
-    pin = dict(line.split("=", 1) for line in (ROOT / "vendor" / "ggml.pin").read_text().splitlines()
-               if "=" in line and not line.startswith("#"))
+    pin = dict(
+        line.split("=", 1)
+        for line in (ROOT / "vendor" / "ggml.pin").read_text().splitlines()
+        if "=" in line and not line.startswith("#")
+    )
     if pyggml_dkv.ggml.built_capabilities():  # a pinned build (a GGML_SRC build carries nothing of ours)
         assert built.version == pin["GGML_VERSION"]
 
@@ -161,8 +171,11 @@ def test_another_ggml_answering_is_an_import_error():
     id, which build_ggml.sh makes ggml's commit string, can."""
     built = expected_build()
     assert check_extension(_FakeFfi(), _ForeignGgml(built, built.build_id)) == built
-    with pytest.raises(ImportError, match=rf"built with ggml build {re.escape(built.build_id)}, but the ggml answering "
-                                          r"its calls is build 'b1-4f2c'"):
+    with pytest.raises(
+        ImportError,
+        match=rf"built with ggml build {re.escape(built.build_id)}, but the ggml answering "
+        r"its calls is build 'b1-4f2c'",
+    ):
         check_extension(_FakeFfi(), _ForeignGgml(built, "b1-4f2c"))
 
 

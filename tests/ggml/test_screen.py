@@ -35,7 +35,9 @@ class ScreenedArgmax:
         sctx = self.stack.enter_context(Context(n_tensors=1))
         self.screen = sctx.new_tensor("q8_0", h, v, name="screen")
         if repack:
-            self.stack.enter_context(Buffer.alloc_ctx_tensors_from_buft(sctx, cpu_extra_buffer_types()[repack], backend))
+            self.stack.enter_context(
+                Buffer.alloc_ctx_tensors_from_buft(sctx, cpu_extra_buffer_types()[repack], backend)
+            )
         else:
             self.stack.enter_context(Buffer.alloc_ctx_tensors(sctx, backend))
         self.screen.set_bytes(screen.raw)
@@ -145,8 +147,7 @@ def test_portable_code_gives_the_same_ids(be, rng, monkeypatch):
         op.close()
 
 
-@pytest.mark.parametrize("case", ["wide range in a block", "tiny (f16 subnormal scales)", "past q8_0's range",
-                                  "zeros"])
+@pytest.mark.parametrize("case", ["wide range in a block", "tiny (f16 subnormal scales)", "past q8_0's range", "zeros"])
 def test_extreme_columns(be, rng, case):
     """The bound covers the activations' quantization at any magnitude: values of very different
     size in one block, scales f16 stores as subnormals, and blocks whose scale overflows f16 (the

@@ -7,14 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyggml_dkv.ggml._lowlevel import lib
+from pyggml_dkv.common.bf16 import from_bf16_bits as bf16_bits_to_fp32
+from pyggml_dkv.common.bf16 import to_bf16_bits as fp32_to_bf16_bits
+from pyggml_dkv.common.numeric import relative_error
 from pyggml_dkv.ggml import (
     Buffer,
     Context,
 )
-from pyggml_dkv.common.bf16 import from_bf16_bits as bf16_bits_to_fp32, to_bf16_bits as fp32_to_bf16_bits
-from pyggml_dkv.common.numeric import relative_error
-
+from pyggml_dkv.ggml._lowlevel import lib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,11 +48,19 @@ def test_roundtrip_f32_f16_bf16_f64(be, rng):
 
 def test_bf16_rounds_to_nearest_even(be):
     one_ulp = 2.0**-7  # bf16 keeps 7 mantissa bits
-    x = np.array([1 + one_ulp / 2,  # tie -> even (1.0)
-                  1 + 1.5 * one_ulp,  # tie -> even (1 + 2 ulp)
-                  1 + one_ulp / 2 + 2**-20,  # just above the tie -> up
-                  1 + one_ulp / 2 - 2**-20,  # just below -> down
-                  -(1 + 1.5 * one_ulp), 0.0, np.inf, -0.0], np.float32)
+    x = np.array(
+        [
+            1 + one_ulp / 2,  # tie -> even (1.0)
+            1 + 1.5 * one_ulp,  # tie -> even (1 + 2 ulp)
+            1 + one_ulp / 2 + 2**-20,  # just above the tie -> up
+            1 + one_ulp / 2 - 2**-20,  # just below -> down
+            -(1 + 1.5 * one_ulp),
+            0.0,
+            np.inf,
+            -0.0,
+        ],
+        np.float32,
+    )
     x[5] = np.array(0x7F7F8000, np.uint32).view(np.float32)  # max bf16 + half an ulp: a tie, to even = inf
     want = np.array([1.0, 1 + 2 * one_ulp, 1 + one_ulp, 1.0, -(1 + 2 * one_ulp), np.inf, np.inf, -0.0], np.float32)
     got = _roundtrip(be, "bf16", x)
@@ -70,8 +78,9 @@ def test_roundtrip_ints(be, rng):
         np.testing.assert_array_equal(got, x)
     # any integer dtype whose values fit is accepted
     np.testing.assert_array_equal(_roundtrip(be, "i32", np.arange(6, dtype=np.uint8)), np.arange(6))
-    np.testing.assert_array_equal(_roundtrip(be, "i32", np.array([-(2**31), 2**31 - 1], np.int64)),
-                                  [-(2**31), 2**31 - 1])
+    np.testing.assert_array_equal(
+        _roundtrip(be, "i32", np.array([-(2**31), 2**31 - 1], np.int64)), [-(2**31), 2**31 - 1]
+    )
     # values another integer dtype holds that the tensor's cannot are refused, not wrapped
     for bad in (np.array([2**31], np.int64), np.array([-(2**31) - 1], np.int64), np.array([2**31], np.uint32)):
         with pytest.raises(ValueError, match="values out of range for i32"):

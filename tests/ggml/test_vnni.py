@@ -17,29 +17,44 @@ import pytest
 
 from pyggml_dkv import DraftConfig, DraftKvCache, DraftWeights, FeatureRing
 from pyggml_dkv import reference as R
-from pyggml_dkv.model.backend_weights import BackendWeights, default_weight_dtype, repack_buffer, upload_matrix
-from pyggml_dkv.ggml import (Backend, Buffer, Context, Gallocr, GGMLError, Graph, amx_available, cpu_extra_buffer_types,
-                             cpu_features, cpu_repack_fits, vnni_available)
 from pyggml_dkv.common.numeric import relative_error
+from pyggml_dkv.drafter.backend_weights import BackendWeights, default_weight_dtype, repack_buffer, upload_matrix
+from pyggml_dkv.ggml import (
+    Backend,
+    Buffer,
+    Context,
+    Gallocr,
+    GGMLError,
+    Graph,
+    amx_available,
+    cpu_extra_buffer_types,
+    cpu_features,
+    cpu_repack_fits,
+    vnni_available,
+)
 from pyggml_dkv.ggml._lowlevel import lib
 from tests.ggml.helpers import mul_mat_rows, quantize_q8_0_rows
 
 # on a CPU with AMX the AMX buffer takes some q8_0 matrices (the fold-in's) and the rules these
 # tests check differ: there they run in a PYGGML_DKV_NO_AMX=1 child (the last test)
-needs_vnni = pytest.mark.skipif(not vnni_available() or amx_available(),
-                                reason="no VNNI q8_0 kernel here (vnni-q8_0 / AVX512-VNNI), or an AMX CPU "
-                                       "(where a PYGGML_DKV_NO_AMX=1 child runs these)")
+needs_vnni = pytest.mark.skipif(
+    not vnni_available() or amx_available(),
+    reason="no VNNI q8_0 kernel here (vnni-q8_0 / AVX512-VNNI), or an AMX CPU "
+    "(where a PYGGML_DKV_NO_AMX=1 child runs these)",
+)
 
-CFG = DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8,
-                  n_target_layers=2, vocab=96)
+CFG = DraftConfig(
+    hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8, n_target_layers=2, vocab=96
+)
 
 
 def _exact(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """The exact q8_0 x q8_0 arithmetic in float64: int8 dot products per block times both scales."""
     dw, qw = quantize_q8_0_rows(w)
     dx, qx = quantize_q8_0_rows(x)
-    return np.einsum("rb,ob,rbi,obi->ro", dx.astype(np.float64), dw.astype(np.float64),
-                     qx.astype(np.float64), qw.astype(np.float64))
+    return np.einsum(
+        "rb,ob,rbi,obi->ro", dx.astype(np.float64), dw.astype(np.float64), qx.astype(np.float64), qw.astype(np.float64)
+    )
 
 
 @needs_vnni
@@ -58,7 +73,9 @@ def test_vnni_product_at_every_row_count(n_threads):
             wt, wbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=True)
             assert wt.is_repacked and wbuf.name == "CPU_REPACK"
             for rows in (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 34, 40, 64, 100):
-                x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)
+                x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(
+                    np.float32
+                )
                 x[0, 32:64] = 0  # an all-zero activation block
                 x[-1, 64:96] *= 1e-2  # a block of small values: its own scale, far below its neighbours'
                 got = mul_mat_rows(backend, wt, x)
@@ -135,8 +152,9 @@ def test_vnni_weights_step_like_generic_q8_0_and_the_reference(cpu):
 
 
 @needs_vnni
-@pytest.mark.parametrize("ty, ne", [("q8_0", (64, 40)), ("q8_0", (32, 24)), ("q8_0", (64, 32, 2)), ("f16", (32, 32)),
-                                    ("q4_0", (64, 12))])
+@pytest.mark.parametrize(
+    "ty, ne", [("q8_0", (64, 40)), ("q8_0", (32, 24)), ("q8_0", (64, 32, 2)), ("f16", (32, 32)), ("q4_0", (64, 12))]
+)
 def test_cpu_repack_buffer_refuses_tensors_the_kernel_cannot_hold(cpu, ty, ne):
     """Anything else would crash ggml on upload (no layout) or compute on a layout nobody tested."""
     assert not cpu_repack_fits(ty, ne)
@@ -217,15 +235,33 @@ def test_vnni_non_finite_activations_give_nan_rows(cpu):
         assert relative_error(got[ok], _exact(w, x[ok])) < 1e-6, k
 
 
-@pytest.mark.skipif(not amx_available() or not lib.ggml_cpu_has_avx512_vnni(),
-                    reason="runs where AMX takes q8_0 and the CPU has AVX512-VNNI (the tests above run themselves elsewhere)")
+@pytest.mark.skipif(
+    not amx_available() or not lib.ggml_cpu_has_avx512_vnni(),
+    reason="runs where AMX takes q8_0 and the CPU has AVX512-VNNI (the tests above run themselves elsewhere)",
+)
 def test_vnni_tests_on_an_amx_cpu_with_amx_switched_off():
     """On a Xeon with AMX the VNNI tests above skip (AMX takes q8_0), yet the kernel serves
     PYGGML_DKV_NO_AMX=1 there (which ggml reads once per process): run them in a child that sets it,
     and check that none of them skipped."""
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(Path(__file__)),
-                           "-k", "not amx_switched_off"], cwd=root, env={**os.environ, "PYGGML_DKV_NO_AMX": "1"},
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            str(Path(__file__)),
+            "-k",
+            "not amx_switched_off",
+        ],
+        cwd=root,
+        env={**os.environ, "PYGGML_DKV_NO_AMX": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "skipped" not in proc.stdout and " passed" in proc.stdout, proc.stdout[-2000:]

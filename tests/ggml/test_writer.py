@@ -37,10 +37,12 @@ def test_bad_arrays_are_refused_before_any_copy(be):
     with ctx, buf:
         w = TensorWriter(t)
         w.write(np.ones((5, 8), np.float32))
-        for bad, err, match in ((np.zeros((5, 8), np.float64), TypeError, "takes float32 arrays, got float64"),
-                                ([[0.0] * 8] * 5, TypeError, "got list"),
-                                (np.zeros((8, 5), np.float32), ValueError, r"numpy shape \(5, 8\)"),
-                                (np.zeros((10, 16), np.float32)[::2, ::2], ValueError, "C-contiguous")):
+        for bad, err, match in (
+            (np.zeros((5, 8), np.float64), TypeError, "takes float32 arrays, got float64"),
+            ([[0.0] * 8] * 5, TypeError, "got list"),
+            (np.zeros((8, 5), np.float32), ValueError, r"numpy shape \(5, 8\)"),
+            (np.zeros((10, 16), np.float32)[::2, ::2], ValueError, "C-contiguous"),
+        ):
             with pytest.raises(err, match=match):
                 w.write(bad)
         with pytest.raises(ValueError, match=r"numpy shape \(5, 8\)"):

@@ -32,12 +32,12 @@ N_NEW = 16
 N_CTX = 64
 
 CASES = (
-    "isolated_pyggml",          # pyggml_dkv alone (the reference trajectory)
-    "isolated_llama",           # llama_cpp alone (the reference generation)
-    "pyggml_then_llama",        # import pyggml_dkv, then llama_cpp
-    "llama_then_pyggml",        # import llama_cpp, then pyggml_dkv
+    "isolated_pyggml",  # pyggml_dkv alone (the reference trajectory)
+    "isolated_llama",  # llama_cpp alone (the reference generation)
+    "pyggml_then_llama",  # import pyggml_dkv, then llama_cpp
+    "llama_then_pyggml",  # import llama_cpp, then pyggml_dkv
     "llama_ggml_global_first",  # llama.cpp's libggml*.so loaded RTLD_GLOBAL before both
-    "pyggml_global_first",      # our extension loaded RTLD_GLOBAL before llama_cpp
+    "pyggml_global_first",  # our extension loaded RTLD_GLOBAL before llama_cpp
 )
 
 
@@ -112,24 +112,31 @@ def trajectory(pyggml_dkv: Any) -> dict[str, Any]:
 def ggml_answers(pyggml_dkv: Any, lowlevel: Any) -> dict[str, Any]:
     """What pyggml_dkv's ggml says at run time: version, type names for our enum values, backends."""
     ffi, lib = lowlevel.ffi, lowlevel.lib
-    types = {name: ffi.string(lib.ggml_type_name(value)).decode()
-             for name, value in pyggml_dkv.ggml.TYPES.items()}
+    types = {name: ffi.string(lib.ggml_type_name(value)).decode() for name, value in pyggml_dkv.ggml.TYPES.items()}
     return {
         "ggml_version": ffi.string(lib.ggml_version()).decode(),
         # llama.cpp's ggml reports the same version; our build id (ggml's commit string) tells them apart
         "ggml_commit": ffi.string(lib.ggml_commit()).decode(),
         "type_names": types,
-        "bf16_attention_supported": pyggml_dkv.bf16_attention_supported(),
-        "backends": [(b.name, b.available) for b in pyggml_dkv.available_backends()],
-        "devices": [(d["name"], d["registry"]) for d in pyggml_dkv.list_devices()],
+        "bf16_attention_supported": pyggml_dkv.ggml.capabilities.bf16_attention_supported(),
+        "backends": [(b.name, b.available) for b in pyggml_dkv.ggml.available_backends()],
+        "devices": [(d["name"], d["registry"]) for d in pyggml_dkv.ggml.list_devices()],
     }
 
 
 def load_llama(model_path: str) -> Any:
     import llama_cpp
 
-    return llama_cpp.Llama(model_path=model_path, n_ctx=N_CTX, n_batch=N_CTX, n_threads=1, n_threads_batch=1,
-                           seed=1234, logits_all=True, verbose=False)
+    return llama_cpp.Llama(
+        model_path=model_path,
+        n_ctx=N_CTX,
+        n_batch=N_CTX,
+        n_threads=1,
+        n_threads_batch=1,
+        seed=1234,
+        logits_all=True,
+        verbose=False,
+    )
 
 
 def greedy(llm: Any) -> dict[str, Any]:
@@ -215,8 +222,11 @@ def tiles_after_attention(out_path: str, model_path: str) -> None:
     after = {}
     # bf16 attention on AMX tiles (0009 / 0028), then bf16 weights' products on them (0029)
     for weights, attention in (("f16", "bf16"), ("bf16", "f32")):
-        with Backend("cpu", n_threads=1) as cpu, DraftWeights.random(cfg, seed=0).to_backend(cpu, weights) as bw, \
-                DraftKvCache(bw, cpu, CAP, attention=attention) as cache:
+        with (
+            Backend("cpu", n_threads=1) as cpu,
+            DraftWeights.random(cfg, seed=0).to_backend(cpu, weights) as bw,
+            DraftKvCache(bw, cpu, CAP, attention=attention) as cache,
+        ):
             cache.step(ring, COMMITS[0], noise)
         after[f"{weights} weights, {attention} attention"] = logits_sha256()
     llm.close()

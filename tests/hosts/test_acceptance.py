@@ -35,6 +35,7 @@ def run_rounds(accept, p: np.ndarray, q: np.ndarray, n: int, seed: int) -> tuple
     return first, second
 
 
+@pytest.mark.slow  # a statistical test
 def test_rejection_sampling_emits_the_target_distribution() -> None:
     rng = np.random.default_rng(7)
     vocab, k = 6, 3
@@ -72,7 +73,7 @@ def test_greedy_acceptance_is_the_longest_matching_prefix_plus_bonus() -> None:
             draft[n_match] = (draft[n_match] + 1) % 11
         n_acc, out = accept_greedy(draft, logits)
         assert n_acc == n_match
-        assert (out == best[:n_match + 1]).all()
+        assert (out == best[: n_match + 1]).all()
     with pytest.raises(ValueError):
         accept_greedy(best[:4], logits[:4])
 

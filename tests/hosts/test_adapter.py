@@ -5,12 +5,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
+llama_cpp = pytest.importorskip(
+    "llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')"
+)
 
-from pyggml_dkv.hosts.llama_cpp import (DFlashLlamaDraftModel, HostError, LlamaTarget, OracleDrafter,  # noqa: E402
-                                        plain_greedy, smollm2_draft_config)
-
+from pyggml_dkv.hosts.llama_cpp import (  # noqa: E402
+    DFlashLlamaDraftModel,
+    HostError,
+    LlamaTarget,
+    OracleDrafter,
+    plain_greedy,
+    smollm2_draft_config,
+)
 from tests.hosts.hosts_helpers import PROMPTS, THREADS, smollm2_path  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 CFG = smollm2_draft_config()
 N_NEW = 40
@@ -37,8 +46,16 @@ def test_llama_generate_with_the_adapter() -> None:
         refs = [plain_greedy(plain_target, p, N_NEW) for p in prompts]
     drafter = OracleDrafter(CFG, 49152, [], seed=0)
     adapter = DFlashLlamaDraftModel(drafter)
-    llm = llama_cpp.Llama(str(path), draft_model=adapter, logits_all=True, n_ctx=512, n_batch=64,
-                          n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
+    llm = llama_cpp.Llama(
+        str(path),
+        draft_model=adapter,
+        logits_all=True,
+        n_ctx=512,
+        n_batch=64,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        verbose=False,
+    )
     try:
         with pytest.raises(HostError, match="call attach"):
             adapter(np.array([1, 2, 3], dtype=np.intc))
@@ -70,8 +87,9 @@ def test_llama_generate_with_the_adapter() -> None:
 def test_attach_refuses_a_llama_it_cannot_serve() -> None:
     path = smollm2_path()
     adapter = DFlashLlamaDraftModel(OracleDrafter(CFG, 49152, []))
-    llm = llama_cpp.Llama(str(path), draft_model=adapter, n_ctx=512, n_batch=64, n_threads=THREADS,
-                          n_threads_batch=THREADS, verbose=False)
+    llm = llama_cpp.Llama(
+        str(path), draft_model=adapter, n_ctx=512, n_batch=64, n_threads=THREADS, n_threads_batch=THREADS, verbose=False
+    )
     try:
         with pytest.raises(HostError, match="logits_all=True"):
             adapter.attach(llm)

@@ -11,12 +11,21 @@ import sys
 import numpy as np
 import pytest
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
+llama_cpp = pytest.importorskip(
+    "llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')"
+)
 
-from pyggml_dkv.hosts.llama_cpp import DFlashLlamaDraftModel, HostError, LlamaTarget, OracleDrafter  # noqa: E402
-from pyggml_dkv.hosts.llama_cpp import amx_guard, smollm2_draft_config  # noqa: E402
-
+from pyggml_dkv.hosts.llama_cpp import (  # noqa: E402
+    DFlashLlamaDraftModel,
+    HostError,
+    LlamaTarget,
+    OracleDrafter,
+    amx_guard,
+    smollm2_draft_config,
+)
 from tests.hosts.hosts_helpers import THREADS, smollm2_path  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 DIES_OF_SIGILL = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"]
 
@@ -74,8 +83,16 @@ def test_attach_refuses_a_llama_that_would_die(guard, monkeypatch) -> None:
     monkeypatch.setattr(amx_guard, "_probe_argv", lambda _p: DIES_OF_SIGILL)
     adapter = DFlashLlamaDraftModel(OracleDrafter(smollm2_draft_config(), 49152, []))
     # the Llama itself loads (its loader never touches AMX tiles); only its batched decodes would die
-    llm = llama_cpp.Llama(str(path), draft_model=adapter, logits_all=True, n_ctx=256, n_batch=64,
-                          n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
+    llm = llama_cpp.Llama(
+        str(path),
+        draft_model=adapter,
+        logits_all=True,
+        n_ctx=256,
+        n_batch=64,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        verbose=False,
+    )
     try:
         with pytest.raises(HostError, match="SIGILL.*install_llama_cpp.sh"):
             adapter.attach(llm)

@@ -4,17 +4,19 @@ per sequence; positions, seq ids and tokens are checked before llama.cpp sees th
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
 
-from pyggml_dkv.hosts.llama_cpp import SMOLLM2_LAYER_IDS, HostError, LlamaTarget  # noqa: E402
+from pyggml_dkv.hosts.llama_cpp import HostError, LlamaTarget  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp.batched_target import BatchedLlamaTarget, Block  # noqa: E402
-
+from pyggml_dkv.hosts.smollm2 import SMOLLM2_LAYER_IDS  # noqa: E402
 from tests.hosts.hosts_helpers import PROMPTS, THREADS, smollm2_path  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 LAYERS = list(SMOLLM2_LAYER_IDS)
 
@@ -36,8 +38,9 @@ def alone(t: LlamaTarget, prompt: np.ndarray, step: list[int]) -> tuple[np.ndarr
 
 @pytest.mark.parametrize("kv_unified", [True, False])
 def test_several_sequences_in_one_batch_match_each_alone(single: LlamaTarget, kv_unified: bool) -> None:
-    with BatchedLlamaTarget(smollm2_path(), n_parallel=4, n_ctx=1024, n_threads=THREADS, capture_layers=LAYERS,
-                            kv_unified=kv_unified) as bt:
+    with BatchedLlamaTarget(
+        smollm2_path(), n_parallel=4, n_ctx=1024, n_threads=THREADS, capture_layers=LAYERS, kv_unified=kv_unified
+    ) as bt:
         prompts = {s: bt.tokenize(bt.chat_prompt(PROMPTS[s])) for s in (3, 0, 1)}
         rows = bt.decode_blocks([Block(s, p, "last") for s, p in prompts.items()])  # seq 3 first, seq 2 absent
         got = {r.seq_id: (np.array(r.logits[-1]), bt.features(r).copy()) for r in rows}
@@ -63,8 +66,9 @@ def test_several_sequences_in_one_batch_match_each_alone(single: LlamaTarget, kv
 
 
 def test_inputs_are_checked() -> None:
-    with BatchedLlamaTarget(smollm2_path(), n_parallel=2, n_ctx=256, n_batch=32, n_threads=THREADS,
-                            capture_layers=LAYERS) as bt:
+    with BatchedLlamaTarget(
+        smollm2_path(), n_parallel=2, n_ctx=256, n_batch=32, n_threads=THREADS, capture_layers=LAYERS
+    ) as bt:
         assert bt.n_ctx_seq == 128
         bt.decode([1, 2, 3], [0, 0, 1])
         with pytest.raises(HostError, match="must continue at position 2"):
@@ -88,16 +92,24 @@ def test_inputs_are_checked() -> None:
             bt.decode_blocks([object()])  # type: ignore[list-item]
         assert bt.n_past_of(1) == 1  # nothing refused touched the cache
     with pytest.raises(HostError, match="kv_unified"):
-        BatchedLlamaTarget(smollm2_path(), n_parallel=2, n_ctx=256, n_threads=THREADS, capture_layers=LAYERS,
-                           capture="callback", kv_unified=False)
+        BatchedLlamaTarget(
+            smollm2_path(),
+            n_parallel=2,
+            n_ctx=256,
+            n_threads=THREADS,
+            capture_layers=LAYERS,
+            capture="callback",
+            kv_unified=False,
+        )
 
 
 @pytest.mark.parametrize("route", ["native", "callback"])
 def test_a_decode_without_capture_is_a_plain_decode(route: str) -> None:
     """capture=False: the same logits, no features; capture resumes at the next decode asking."""
     prompt = np.arange(300, 340, dtype=np.int64)
-    with BatchedLlamaTarget(smollm2_path(), n_parallel=2, n_ctx=512, n_threads=THREADS, capture_layers=LAYERS,
-                            capture=route) as bt:
+    with BatchedLlamaTarget(
+        smollm2_path(), n_parallel=2, n_ctx=512, n_threads=THREADS, capture_layers=LAYERS, capture=route
+    ) as bt:
         with_cap = bt.decode_blocks([(0, prompt, "all")])
         feats = bt.features(with_cap[0]).copy()
         logits = with_cap[0].logits.copy()

@@ -11,8 +11,9 @@ pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-pyth
 
 from pyggml_dkv.hosts.llama_cpp import GGUFFile, HostError, LlamaTarget  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp.lowlevel import native_layer_inp  # noqa: E402
-
 from tests.hosts.hosts_helpers import THREADS, llama_layer, rel_err, rms_norm, smollm2_path  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 LAYERS = (0, 7, 8, 28)
 TEXT = "The quick brown fox jumps over the lazy dog. " * 4
@@ -27,8 +28,9 @@ def gguf():
 def targets():
     made = {}
     for route in ("native", "callback"):
-        made[route] = LlamaTarget(smollm2_path(), n_ctx=256, n_batch=64, n_ubatch=16, n_threads=THREADS,
-                                  capture_layers=LAYERS, capture=route)
+        made[route] = LlamaTarget(
+            smollm2_path(), n_ctx=256, n_batch=64, n_ubatch=16, n_threads=THREADS, capture_layers=LAYERS, capture=route
+        )
     yield made
     for t in made.values():
         t.close()
@@ -116,8 +118,11 @@ def test_last_layer_needs_every_row_and_matches_the_logits(gguf) -> None:
         logits = np.array(t.decode(toks, logits="all"))
         last = t.capture.features()
         assert last.shape == (toks.size, t.n_embd)
-        out = rms_norm(last.astype(np.float64), gguf.array("output_norm.weight"),
-                       float(gguf.arch_value("attention.layer_norm_rms_epsilon")))
+        out = rms_norm(
+            last.astype(np.float64),
+            gguf.array("output_norm.weight"),
+            float(gguf.arch_value("attention.layer_norm_rms_epsilon")),
+        )
         mine = out @ gguf.array("token_embd.weight").astype(np.float64).T
         assert rel_err(mine, logits) < 2e-2
         assert (mine.argmax(axis=1) == logits.argmax(axis=1)).mean() > 0.8

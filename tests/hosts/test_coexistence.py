@@ -27,8 +27,12 @@ from tests.hosts.coexistence_cases import CASES
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parents[1]
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                                reason="llama_cpp is not installed (pip install -e '.[llama]')")
+pytestmark = [
+    pytest.mark.slow,  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
+    pytest.mark.skipif(
+        importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp is not installed (pip install -e '.[llama]')"
+    ),
+]
 
 MIXED = [case for case in CASES if not case.startswith("isolated_")]
 

@@ -7,11 +7,22 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
 
-from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, GGUFError, GGUFFile, HostClosedError,  # noqa: E402
-                                        HostError, IncompatibleDrafterError, LlamaTarget, OracleDrafter,
-                                        SpeculativeGenerator, check_fits_gguf, smollm2_draft_config)
-
+from pyggml_dkv.hosts.llama_cpp import (  # noqa: E402
+    GenerationConfig,
+    GGUFFile,
+    HostClosedError,
+    HostError,
+    IncompatibleDrafterError,
+    LlamaTarget,
+    OracleDrafter,
+    SpeculativeGenerator,
+    check_fits_gguf,
+    smollm2_draft_config,
+)
+from pyggml_dkv.hosts.llama_cpp.gguf import GGUFError  # noqa: E402
 from tests.hosts.hosts_helpers import THREADS, smollm2_path  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 CFG = smollm2_draft_config()
 
@@ -47,11 +58,13 @@ def test_generator_refuses_before_any_decode(target) -> None:
     with pytest.raises(IncompatibleDrafterError, match="vocab"):
         SpeculativeGenerator(target, OracleDrafter(CFG, 32000, []))
     with pytest.raises(IncompatibleDrafterError, match="out of range"):
-        SpeculativeGenerator(target, OracleDrafter(smollm2_draft_config(target_layer_ids=[1, 8, 15, 22, 31]),
-                                                   target.n_vocab, []))
+        SpeculativeGenerator(
+            target, OracleDrafter(smollm2_draft_config(target_layer_ids=[1, 8, 15, 22, 31]), target.n_vocab, [])
+        )
     with pytest.raises(HostError, match="must capture the drafter's layers"):
-        SpeculativeGenerator(target, OracleDrafter(smollm2_draft_config(target_layer_ids=[1, 8, 15, 22, 27]),
-                                                   target.n_vocab, []))
+        SpeculativeGenerator(
+            target, OracleDrafter(smollm2_draft_config(target_layer_ids=[1, 8, 15, 22, 27]), target.n_vocab, [])
+        )
     gen = SpeculativeGenerator(target, OracleDrafter(CFG, target.n_vocab, []))
     for prompt, match in (([], "empty"), ([5, 49152], "token ids"), (np.ones(400, int), "n_ctx")):
         with pytest.raises(HostError, match=match):

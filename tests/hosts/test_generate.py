@@ -12,13 +12,23 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
 
-from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, GGUFFile, LlamaTarget, OracleDrafter,  # noqa: E402
-                                        ReferenceDrafter, SpeculativeGenerator, compare_to_plain, plain_greedy,
-                                        smollm2_draft_config, target_embeddings)
-from pyggml_dkv.hosts.llama_cpp.sampling import sampling_probs  # noqa: E402
 from pyggml_dkv import DraftWeights  # noqa: E402
-
+from pyggml_dkv.hosts.llama_cpp import (  # noqa: E402
+    GenerationConfig,
+    GGUFFile,
+    LlamaTarget,
+    OracleDrafter,
+    ReferenceDrafter,
+    SpeculativeGenerator,
+    compare_to_plain,
+    plain_greedy,
+    smollm2_draft_config,
+    target_embeddings,
+)
+from pyggml_dkv.hosts.llama_cpp.sampling import sampling_probs  # noqa: E402
 from tests.hosts.hosts_helpers import PROMPTS, THREADS, rel_err, smollm2_path  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 N_NEW = 48
 # Logits of one position computed in batches of different shapes differ by up to ~0.1 on this
@@ -80,11 +90,11 @@ def test_committed_features_are_the_accepted_tokens_features(target, prompts, pl
     drafter = oracle(target, prompt, ref, seed=3)
     res = SpeculativeGenerator(target, drafter).generate(prompt, GenerationConfig(max_tokens=N_NEW))
     got = drafter.features.copy()
-    seq = np.concatenate([prompt, res.tokens])[:drafter.committed]
+    seq = np.concatenate([prompt, res.tokens])[: drafter.committed]
     target.clear()
     want = []
     for lo in range(0, seq.size, target.n_batch):
-        target.decode(seq[lo:lo + target.n_batch], logits="none")
+        target.decode(seq[lo : lo + target.n_batch], logits="none")
         want.append(target.capture.features().copy())
     want = np.concatenate(want)
     assert got.shape == want.shape
@@ -99,7 +109,8 @@ def test_stream_and_callback_equal_generate(target, prompts, plain) -> None:
     streamed = list(gen.stream(prompt, GenerationConfig(max_tokens=20)))
     seen: list[int] = []
     res = SpeculativeGenerator(target, oracle(target, prompt, ref, seed=5)).generate(
-        prompt, GenerationConfig(max_tokens=20), on_token=seen.append)
+        prompt, GenerationConfig(max_tokens=20), on_token=seen.append
+    )
     assert streamed == seen == res.tokens.tolist()
     assert gen.last_result is not None and gen.last_result.tokens.tolist() == streamed
 
@@ -136,8 +147,9 @@ def test_max_tokens_stop_tokens_and_eog(target, prompts, plain) -> None:
 
 
 def test_context_limit() -> None:
-    with LlamaTarget(smollm2_path(), n_ctx=256, n_batch=64, n_threads=THREADS,
-                     capture_layers=CFG.target_layer_ids) as small:
+    with LlamaTarget(
+        smollm2_path(), n_ctx=256, n_batch=64, n_threads=THREADS, capture_layers=CFG.target_layer_ids
+    ) as small:
         assert small.n_ctx == 256  # llama.cpp pads n_ctx to a multiple of 256
         prompt = small.tokenize(small.chat_prompt("Continue this list of animals: cat, dog, " * 21))
         assert 200 < prompt.size < 240
@@ -171,7 +183,8 @@ def test_sampling(target, prompts, plain) -> None:
     for tok, row in zip(runs[0].tokens, runs[0].logits):
         assert sampling_probs(row, 0.9, 40)[0, tok] > 0  # inside the target's top-k at its position
     other = SpeculativeGenerator(target, oracle(target, prompt, ref)).generate(
-        prompt, GenerationConfig(max_tokens=12, temperature=0.9, top_k=40, seed=12))
+        prompt, GenerationConfig(max_tokens=12, temperature=0.9, top_k=40, seed=12)
+    )
     assert other.tokens.tolist() != runs[0].tokens.tolist()
     # at a temperature where the target's top token has p >= 0.999 at every position, sampling stays
     # on the oracle's track (the greedy continuation) and its drafts get accepted through p/q

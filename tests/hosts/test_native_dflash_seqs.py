@@ -14,12 +14,16 @@ import pytest
 pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
 pytest.importorskip("gguf", reason="writing a GGUF drafter needs the gguf package")
 
-from pyggml_dkv.hosts.llama_cpp.native_dflash import (llama_dflash_bench, llama_dflash_trajectory,  # noqa: E402
-                                                      llama_dflash_trajectory_seqs)
+from pyggml_dkv.hosts.llama_cpp.native_dflash import (  # noqa: E402
+    llama_dflash_bench,
+    llama_dflash_trajectory,
+    llama_dflash_trajectory_seqs,
+)
 from pyggml_dkv.model.config import DraftConfig  # noqa: E402
 from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
-
 from tests.hosts.hosts_helpers import smollm2_path  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +41,9 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, DraftConf
     emb = rng.standard_normal((N_VOCAB, cfg.hidden), dtype=np.float32)
     head = rng.standard_normal((N_VOCAB, cfg.hidden), dtype=np.float32) / np.float32(np.sqrt(cfg.hidden))
     w = DraftWeights(cfg, dict(DraftWeights.random(cfg, seed=0)), embed_tokens=emb, lm_head=head)
-    path = w.save_pretrained(tmp_path_factory.mktemp("dflash") / "tiny.gguf", format="gguf", dtype="f16",
-                             vocab_from=target)
+    path = w.save_pretrained(
+        tmp_path_factory.mktemp("dflash") / "tiny.gguf", format="gguf", dtype="f16", vocab_from=target
+    )
     return Path(path), cfg
 
 
@@ -73,8 +78,9 @@ def test_packed_sequences_equal_single_runs(tiny_gguf: tuple[Path, DraftConfig],
     assert packed.shape == (steps, n_seq, q_len, N_VOCAB)
     worst = 0.0
     for s in range(n_seq):
-        single = llama_dflash_trajectory(path, feats[s], [int(c) for c in commits[:, s]], tokens[:, s], cap,
-                                         flash_attn=flash_attn)
+        single = llama_dflash_trajectory(
+            path, feats[s], [int(c) for c in commits[:, s]], tokens[:, s], cap, flash_attn=flash_attn
+        )
         err = float(np.max(np.abs(packed[:, s] - single)) / np.max(np.abs(single)))
         log.info("sequence %d: packed vs single max|a-b|/max|b| = %.3g", s, err)
         worst = max(worst, err)
@@ -86,8 +92,9 @@ def test_packed_sequences_equal_single_runs(tiny_gguf: tuple[Path, DraftConfig],
 
 def test_packed_bench(tiny_gguf: tuple[Path, DraftConfig]) -> None:
     path, cfg = tiny_gguf
-    times = llama_dflash_bench(path, [16, 48], fc_in=cfg.fc_in, q_len=cfg.block_size, n_new=3, reps=2, warmup=1,
-                               threads=1, n_seq=2)
+    times = llama_dflash_bench(
+        path, [16, 48], fc_in=cfg.fc_in, q_len=cfg.block_size, n_new=3, reps=2, warmup=1, threads=1, n_seq=2
+    )
     assert sorted(times) == [16, 48]
     assert all(len(t) == 2 and all(np.isfinite(x) and x > 0 for x in t) for t in times.values()), times
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pyggml_dkv.drafter.drafter import confident_prefix
-from pyggml_dkv.hosts.llama_cpp.ngram import HybridDrafter, NgramDrafter, TokenHistory, ngram_lookup
 from pyggml_dkv.hosts.llama_cpp import smollm2_draft_config
+from pyggml_dkv.hosts.llama_cpp.ngram import HybridDrafter, NgramDrafter, TokenHistory, ngram_lookup
 
 CFG = smollm2_draft_config(n_layer=1, block_size=6)
 
@@ -56,16 +56,43 @@ def test_confident_prefix_cuts_at_the_first_unsure_row():
 
 # --- in the real loop (llama.cpp target, our Drafter) -----------------------------------------
 
+
 def _real_loop():
     pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python")
-    from pyggml_dkv.hosts.llama_cpp import GenerationConfig, LlamaTarget, SpeculativeGenerator, compare_to_plain, ggml_drafter, plain_greedy
+    from pyggml_dkv.hosts.llama_cpp import (
+        GenerationConfig,
+        LlamaTarget,
+        SpeculativeGenerator,
+        compare_to_plain,
+        ggml_drafter,
+        plain_greedy,
+    )
     from tests.hosts.hosts_helpers import THREADS, smollm2_path
 
-    return GenerationConfig, LlamaTarget, SpeculativeGenerator, compare_to_plain, ggml_drafter, plain_greedy, THREADS, smollm2_path
+    return (
+        GenerationConfig,
+        LlamaTarget,
+        SpeculativeGenerator,
+        compare_to_plain,
+        ggml_drafter,
+        plain_greedy,
+        THREADS,
+        smollm2_path,
+    )
 
 
+@pytest.mark.slow  # SmolLM2 in llama.cpp
 def test_ngram_hybrid_and_p_min_drafters_are_lossless_in_the_loop():
-    GenerationConfig, LlamaTarget, SpeculativeGenerator, compare_to_plain, ggml_drafter, plain_greedy, THREADS, smollm2_path = _real_loop()
+    (
+        GenerationConfig,
+        LlamaTarget,
+        SpeculativeGenerator,
+        compare_to_plain,
+        ggml_drafter,
+        plain_greedy,
+        THREADS,
+        smollm2_path,
+    ) = _real_loop()
     from pyggml_dkv import DraftWeights
 
     path = smollm2_path()

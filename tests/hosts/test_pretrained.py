@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from pyggml_dkv import DraftWeights
-from pyggml_dkv.hosts.llama_cpp import SMOLLM2_LAYER_IDS
 from pyggml_dkv.hosts.pretrained import smollm2_drafter_path
+from pyggml_dkv.hosts.smollm2 import SMOLLM2_LAYER_IDS
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 pytest.importorskip("gguf", reason="reading GGUF needs the gguf package")
 
@@ -26,8 +28,14 @@ def test_the_shipped_drafter_is_a_small_dflash_gguf_of_the_smollm2_shape():
 
 def test_the_shipped_drafter_accepts_in_the_real_loop():
     pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python")
-    from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, LlamaTarget, SpeculativeGenerator, compare_to_plain,
-                                            ggml_drafter, plain_greedy)
+    from pyggml_dkv.hosts.llama_cpp import (
+        GenerationConfig,
+        LlamaTarget,
+        SpeculativeGenerator,
+        compare_to_plain,
+        ggml_drafter,
+        plain_greedy,
+    )
     from pyggml_dkv.training.prompts import HELD_OUT_PROMPTS
     from tests.hosts.hosts_helpers import THREADS, smollm2_path
 
@@ -58,8 +66,10 @@ def test_a_screened_head_drafts_what_the_exact_head_drafts_in_the_real_loop():
     path = smollm2_path()
     weights = DraftWeights.from_pretrained(smollm2_drafter_path())
     with LlamaTarget(path, n_ctx=512, n_threads=THREADS, capture_layers=weights.cfg.target_layer_ids) as t:
-        with ggml_drafter(weights, str(path), lm_head_dtype="f32") as exact, \
-                ggml_drafter(weights, str(path), lm_head_dtype="f32", lm_head_screen="q8_0") as screened:
+        with (
+            ggml_drafter(weights, str(path), lm_head_dtype="f32") as exact,
+            ggml_drafter(weights, str(path), lm_head_dtype="f32", lm_head_screen="q8_0") as screened,
+        ):
             for text in HELD_OUT_PROMPTS[4:6]:
                 prompt = t.tokenize(t.chat_prompt(text))
                 a = SpeculativeGenerator(t, exact).generate(prompt, GenerationConfig(max_tokens=48))

@@ -13,21 +13,31 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp host needs llama-cpp-python (pip install -e '.[llama]')")
 
-from pyggml_dkv.hosts.llama_cpp import (GenerationConfig, LlamaTarget, RemoteDrafter,  # noqa: E402
-                                        SpeculativeGenerator, compare_to_plain, ggml_drafter, plain_greedy,
-                                        smollm2_draft_config)
 from pyggml_dkv import Backend, DraftWeights  # noqa: E402
+from pyggml_dkv.hosts.llama_cpp import (  # noqa: E402
+    GenerationConfig,
+    LlamaTarget,
+    RemoteDrafter,
+    SpeculativeGenerator,
+    compare_to_plain,
+    ggml_drafter,
+    plain_greedy,
+    smollm2_draft_config,
+)
 from pyggml_dkv.hosts.llama_cpp.drafters import ReferenceDrafter, target_embeddings  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp.gguf import GGUFFile  # noqa: E402
-
 from tests.hosts.hosts_helpers import PROMPTS, THREADS, smollm2_path  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 CFG = smollm2_draft_config(n_layer=2)
 NEAR_TIE = 0.5
 
+
 def test_ggml_drafter_agrees_with_the_reference_drafter(tmp_path: Path) -> None:
-    with LlamaTarget(smollm2_path(), n_ctx=256, n_batch=64, n_threads=THREADS,
-                     capture_layers=CFG.target_layer_ids) as t:
+    with LlamaTarget(
+        smollm2_path(), n_ctx=256, n_batch=64, n_threads=THREADS, capture_layers=CFG.target_layer_ids
+    ) as t:
         toks = t.tokenize(t.chat_prompt(PROMPTS[3]))
         logits = t.decode(toks, logits="last")
         feats = t.capture.features().copy()
@@ -38,7 +48,9 @@ def test_ggml_drafter_agrees_with_the_reference_drafter(tmp_path: Path) -> None:
     ref = ReferenceDrafter(weights, embed, head, cap=cap)
     out: dict[str, list] = {"logp_err": [], "ids_real": [], "ids_ref": []}
     with Backend("cpu", n_threads=1) as backend:
-        real = ggml_drafter(weights, str(smollm2_path()), backend=backend, cap=cap, weight_dtype="f32", cache_type="f32")
+        real = ggml_drafter(
+            weights, str(smollm2_path()), backend=backend, cap=cap, weight_dtype="f32", cache_type="f32"
+        )
         try:
             for n in (feats.shape[0] - 3, feats.shape[0]):  # both windows past the cap
                 real.reset()
@@ -84,8 +96,10 @@ def test_remote_drafter_drives_the_loop() -> None:
             assert all(int(np.argmax(row)) == tok for row, tok in zip(res.logits, res.tokens))
             assert compare_to_plain(res, ref, NEAR_TIE)["lossless"]
             assert drafter.committed == t.n_past > 16
-            sampled = [gen.generate(prompt, GenerationConfig(max_tokens=8, temperature=0.8, seed=4)).tokens.tolist()
-                       for _ in range(2)]
+            sampled = [
+                gen.generate(prompt, GenerationConfig(max_tokens=8, temperature=0.8, seed=4)).tokens.tolist()
+                for _ in range(2)
+            ]
             assert sampled[0] == sampled[1]
         with pytest.raises(Exception, match="closed"):
             drafter.propose(1)
@@ -95,8 +109,9 @@ def test_a_dflash_gguf_drafter_drives_the_loop(tmp_path: Path) -> None:
     """A drafter read from a llama.cpp dflash GGUF (q8_0, written with the target's vocabulary):
     the loop stays lossless with it."""
     path = smollm2_path()
-    gguf = DraftWeights.random(CFG, seed=2).save_pretrained(tmp_path / "drafter.gguf", format="gguf", dtype="q8_0",
-                                                           vocab_from=path)
+    gguf = DraftWeights.random(CFG, seed=2).save_pretrained(
+        tmp_path / "drafter.gguf", format="gguf", dtype="q8_0", vocab_from=path
+    )
     weights = DraftWeights.from_pretrained(gguf)
     assert weights.cfg.target_layer_ids == CFG.target_layer_ids and weights.stored
     with LlamaTarget(path, n_ctx=256, n_batch=64, n_threads=THREADS, capture_layers=CFG.target_layer_ids) as t:

@@ -23,10 +23,18 @@ def write_vocab_gguf(path: Path, n_vocab: int) -> Path:
     return path
 
 
-def copy_gguf(src: Path, dst: Path, *, set_keys: dict[str, tuple[Any, Any]] | None = None,
-              drop_keys: tuple[str, ...] = (), add_tensors: dict[str, np.ndarray] | None = None,
-              drop_tensors: tuple[str, ...] = (), arch: str | None = None) -> Path:
-    """Copy a GGUF, setting keys (name -> (value, GGUFValueType)), dropping keys / tensors, adding f32 tensors."""
+def copy_gguf(
+    src: Path,
+    dst: Path,
+    *,
+    set_keys: dict[str, tuple[Any, Any]] | None = None,
+    drop_keys: tuple[str, ...] = (),
+    add_tensors: dict[str, np.ndarray] | None = None,
+    drop_tensors: tuple[str, ...] = (),
+    arch: str | None = None,
+) -> Path:
+    """Copy a GGUF, setting keys (name -> (value, GGUFValueType)), dropping keys / tensors, adding
+    tensors (f32, or f16 when the array given is float16)."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     r = GGUFReader(src, "r")
@@ -47,7 +55,8 @@ def copy_gguf(src: Path, dst: Path, *, set_keys: dict[str, tuple[Any, Any]] | No
         if t.name not in drop_tensors:
             w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     for name, arr in (add_tensors or {}).items():
-        w.add_tensor(name, np.asarray(arr, dtype=np.float32))
+        arr = np.asarray(arr)
+        w.add_tensor(name, arr if arr.dtype == np.float16 else arr.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -10,16 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pyggml_dkv import reference as R
 from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
-
 from pyggml_dkv.model import hf_config as H
 from pyggml_dkv.model import safetensors_io as S
-from pyggml_dkv import reference as R
-from pyggml_dkv.model.errors import CheckpointError, CheckpointNotFoundError
-from pyggml_dkv.model.weights import load_checkpoint, save_checkpoint
 from pyggml_dkv.model.config import DraftConfig
+from pyggml_dkv.model.errors import CheckpointError, CheckpointNotFoundError
 from pyggml_dkv.model.tensor_names import expected_shapes
-from pyggml_dkv.model.weights import DraftWeights
+from pyggml_dkv.model.weights import DraftWeights, load_checkpoint, save_checkpoint
 
 SMALL = dict(hidden=32, n_layer=2, n_head=4, n_head_kv=2, head_dim=8, ffn=48, block_size=4, n_target_layers=3)
 
@@ -79,10 +77,24 @@ def ckpt(tmp_path) -> Path:
 
 ROUND_TRIP_CFGS = {
     "plain": dict(),
-    "sliding+yarn": dict(layer_types=["sliding", "full"], swa_window=5, freq_scale=0.25, ext_factor=1.0,
-                         n_ctx_orig=4096, beta_fast=16.0, beta_slow=2.0, rope_theta=1e6),
-    "linear+logits": dict(freq_scale=0.5, output_multiplier=0.25, final_logit_softcapping=30.0,
-                          input_embedding_scale=3.0, rms_eps=1e-5, block_size=16),
+    "sliding+yarn": dict(
+        layer_types=["sliding", "full"],
+        swa_window=5,
+        freq_scale=0.25,
+        ext_factor=1.0,
+        n_ctx_orig=4096,
+        beta_fast=16.0,
+        beta_slow=2.0,
+        rope_theta=1e6,
+    ),
+    "linear+logits": dict(
+        freq_scale=0.5,
+        output_multiplier=0.25,
+        final_logit_softcapping=30.0,
+        input_embedding_scale=3.0,
+        rms_eps=1e-5,
+        block_size=16,
+    ),
     "no-vocab": dict(vocab=None, mask_token_id=123456),
 }
 
@@ -126,8 +138,9 @@ def test_round_trip_low_precision_is_exact_for_representable_values(tmp_path, dt
 
 
 def test_bf16_save_rounds_to_nearest_even(tmp_path):
-    x = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8 + 2**-20), -0.0, 2**-130],
-                 dtype=np.float32)
+    x = np.array(
+        [1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8 + 2**-20), -0.0, 2**-130], dtype=np.float32
+    )
     want = np.array([1.0, 1.0, 1 + 2**-6, 1 + 2**-7, -(1 + 2**-7), -0.0, 2**-130], dtype=np.float32)
     got = from_bf16_bits(to_bf16_bits(x))
     assert got.tobytes() == want.tobytes()  # ties to even, signed zero and subnormals kept
@@ -159,12 +172,16 @@ def test_reads_handmade_bf16_f16_f32_file(tmp_path):
     f16 = np.array([0.5, -65504.0, 6.1e-5], dtype=np.float16)
     f32 = np.array([np.pi, -1e-45, 1e38], dtype=np.float32)
     path = tmp_path / "x.safetensors"
-    raw_safetensors(path, [
-        ("b", "BF16", [2, 3], bf16_bits.astype("<u2").tobytes()),
-        ("h", "F16", [3], f16.astype("<f2").tobytes()),
-        ("f", "F32", [1, 3], f32.astype("<f4").tobytes()),
-        ("empty", "F32", [0, 4], b""),
-    ], pad=False)
+    raw_safetensors(
+        path,
+        [
+            ("b", "BF16", [2, 3], bf16_bits.astype("<u2").tobytes()),
+            ("h", "F16", [3], f16.astype("<f2").tobytes()),
+            ("f", "F32", [1, 3], f32.astype("<f4").tobytes()),
+            ("empty", "F32", [0, 4], b""),
+        ],
+        pad=False,
+    )
     got = S.read_safetensors(path)
     assert set(got) == {"b", "h", "f", "empty"}
     np.testing.assert_array_equal(got["b"], want_bf16)
@@ -179,7 +196,9 @@ def test_bf16_checkpoint_written_by_hand_loads(tmp_path):
     """A bf16 checkpoint whose file we did not write ourselves (header unpadded, names unsorted)."""
     w = DraftWeights.random(small_cfg(), seed=6)
     save_checkpoint(w, tmp_path)
-    entries = [(n, "BF16", list(a.shape), to_bf16_bits(a).astype("<u2").tobytes()) for n, a in reversed(list(w.items()))]
+    entries = [
+        (n, "BF16", list(a.shape), to_bf16_bits(a).astype("<u2").tobytes()) for n, a in reversed(list(w.items()))
+    ]
     raw_safetensors(tmp_path / "model.safetensors", entries, pad=False)
     back = load_checkpoint(tmp_path)
     for name in w:
@@ -222,16 +241,19 @@ def test_unsupported_dtype_in_checkpoint(ckpt):
         load_checkpoint(ckpt)
 
 
-@pytest.mark.parametrize("corruption, match", [
-    ("short", "not a valid safetensors file.*header too small"),
-    ("huge_header", "not a valid safetensors file.*invalid header length"),
-    ("not_json", "not a valid safetensors file.*invalid JSON"),
-    ("bad_size", r"not a valid safetensors file.*invalid shape, data type, or offset"),
-    ("out_of_file", "not a valid safetensors file.*not fully covered"),
-    ("overlap", "not a valid safetensors file.*invalid offset for tensor `b`"),
-    ("unknown_dtype", "not a valid safetensors file.*Q4_K"),
-    ("duplicate", "duplicate key 'a'"),
-])
+@pytest.mark.parametrize(
+    "corruption, match",
+    [
+        ("short", "not a valid safetensors file.*header too small"),
+        ("huge_header", "not a valid safetensors file.*invalid header length"),
+        ("not_json", "not a valid safetensors file.*invalid JSON"),
+        ("bad_size", r"not a valid safetensors file.*invalid shape, data type, or offset"),
+        ("out_of_file", "not a valid safetensors file.*not fully covered"),
+        ("overlap", "not a valid safetensors file.*invalid offset for tensor `b`"),
+        ("unknown_dtype", "not a valid safetensors file.*Q4_K"),
+        ("duplicate", "duplicate key 'a'"),
+    ],
+)
 def test_corrupt_safetensors_is_refused(tmp_path, corruption, match):
     path = tmp_path / "x.safetensors"
     good = np.ones(4, np.float32).tobytes()
@@ -242,21 +264,31 @@ def test_corrupt_safetensors_is_refused(tmp_path, corruption, match):
     elif corruption == "not_json":
         path.write_bytes(struct.pack("<Q", 4) + b"{x: " + good)
     elif corruption == "bad_size":
-        hdr = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-                          "b": {"dtype": "F16", "shape": [8], "data_offsets": [16, 24]}}).encode()
+        hdr = json.dumps(
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F16", "shape": [8], "data_offsets": [16, 24]},
+            }
+        ).encode()
         path.write_bytes(struct.pack("<Q", len(hdr)) + hdr + good + good)
     elif corruption == "out_of_file":
         hdr = json.dumps({"a": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}).encode()
         path.write_bytes(struct.pack("<Q", len(hdr)) + hdr + good)
     elif corruption == "overlap":
-        hdr = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-                          "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}).encode()
+        hdr = json.dumps(
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+            }
+        ).encode()
         path.write_bytes(struct.pack("<Q", len(hdr)) + hdr + good)
     elif corruption == "unknown_dtype":
         raw_safetensors(path, [("a", "Q4_K", [4], good)])
     elif corruption == "duplicate":
-        hdr = (b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},'
-               b' "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}')
+        hdr = (
+            b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},'
+            b' "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}'
+        )
         path.write_bytes(struct.pack("<Q", len(hdr)) + hdr + good)
     with pytest.raises(CheckpointError, match=match):
         S.read_safetensors(path)
@@ -273,7 +305,9 @@ def write_sharded(root: Path, w: DraftWeights, prefix: str = "") -> None:
     shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
     weight_map = {}
     for shard, shard_names in shards.items():
-        S.write_safetensors(root / shard, {prefix + n: w[n] for n in shard_names}, "bfloat16" if "1-of" in shard else "float32")
+        S.write_safetensors(
+            root / shard, {prefix + n: w[n] for n in shard_names}, "bfloat16" if "1-of" in shard else "float32"
+        )
         weight_map.update({prefix + n: shard for n in shard_names})
     index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
     (root / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -338,38 +372,90 @@ def test_single_file_wins_over_index(tmp_path):
 
 # What dflash 0.1.0's DFlashDraftModel.save_pretrained writes with transformers 5.15
 DFLASH_SAVED_CONFIG = {
-    "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
+    "architectures": ["DFlashDraftModel"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
     "bos_token_id": None,
     "dflash_config": {"block_size": 8, "mask_token_id": 999, "target_layer_ids": [1, 3, 5]},
-    "dtype": "float32", "eos_token_id": None, "head_dim": 32, "hidden_act": "silu", "hidden_size": 128,
-    "initializer_range": 0.02, "intermediate_size": 256, "layer_types": ["full_attention", "full_attention"],
-    "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 4,
-    "num_hidden_layers": 2, "num_key_value_heads": 2, "num_target_layers": 8, "pad_token_id": None,
-    "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-    "sliding_window": None, "tie_word_embeddings": False, "transformers_version": "5.15.0", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 1000,
+    "dtype": "float32",
+    "eos_token_id": None,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "hidden_size": 128,
+    "initializer_range": 0.02,
+    "intermediate_size": 256,
+    "layer_types": ["full_attention", "full_attention"],
+    "max_position_embeddings": 32768,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "num_target_layers": 8,
+    "pad_token_id": None,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "transformers_version": "5.15.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 1000,
 }
 
 # A published-style Qwen3 drafter config of the transformers 4.x era: block_size at the top level,
 # rope_theta + rope_scaling, no layer_types.
 LEGACY_CONFIG = {
-    "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-    "attention_bias": False, "attention_dropout": 0.0, "block_size": 16, "bos_token_id": 151643,
+    "architectures": ["DFlashDraftModel"],
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "block_size": 16,
+    "bos_token_id": 151643,
     "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
-    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2560,
-    "initializer_range": 0.02, "intermediate_size": 9728, "max_position_embeddings": 40960,
-    "max_window_layers": 36, "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 5,
-    "num_key_value_heads": 8, "num_target_layers": 36, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "transformers_version": "4.57.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2560,
+    "initializer_range": 0.02,
+    "intermediate_size": 9728,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 36,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 5,
+    "num_key_value_heads": 8,
+    "num_target_layers": 36,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.57.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 
 def test_dflash_saved_config_maps():
     cfg = H.config_from_hf(DFLASH_SAVED_CONFIG)
-    assert cfg == DraftConfig(hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8,
-                              n_target_layers=3, rms_eps=1e-6, rope_theta=10000.0, mask_token_id=999, vocab=1000,
-                              target_layer_ids=[1, 3, 5])
+    assert cfg == DraftConfig(
+        hidden=128,
+        n_layer=2,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=32,
+        ffn=256,
+        block_size=8,
+        n_target_layers=3,
+        rms_eps=1e-6,
+        rope_theta=10000.0,
+        mask_token_id=999,
+        vocab=1000,
+        target_layer_ids=[1, 3, 5],
+    )
 
 
 def test_legacy_config_maps():
@@ -408,13 +494,19 @@ def test_dflash_config_takes_precedence_and_defaults():
     assert H.config_from_hf(dict(DFLASH_SAVED_CONFIG, rope_theta=5.0)).rope_theta == 10000.0
     # softcap 0 / null mean none, as in dflash's compute_logits
     for cap in (0, None):
-        hf = dict(DFLASH_SAVED_CONFIG, dflash_config=dict(DFLASH_SAVED_CONFIG["dflash_config"], final_logit_softcapping=cap))
+        hf = dict(
+            DFLASH_SAVED_CONFIG, dflash_config=dict(DFLASH_SAVED_CONFIG["dflash_config"], final_logit_softcapping=cap)
+        )
         assert H.config_from_hf(hf).final_logit_softcapping is None
 
 
 def test_sliding_layers_mapping():
-    hf = dict(DFLASH_SAVED_CONFIG, use_sliding_window=True, sliding_window=6,
-              layer_types=["sliding_attention", "full_attention"])
+    hf = dict(
+        DFLASH_SAVED_CONFIG,
+        use_sliding_window=True,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     cfg = H.config_from_hf(hf)
     assert cfg.layer_types == ["sliding", "full"] and cfg.swa_window == 6
     # layer_types absent: Qwen3Config derives them from max_window_layers
@@ -426,14 +518,20 @@ def test_sliding_layers_mapping():
     assert cfg.layer_types == ["full", "full"] and cfg.swa_window == 0
 
 
-def hf_yarn(theta, dim, factor, orig, beta_fast=32, beta_slow=1, attention_factor=None, mscale=None, mscale_all_dim=None):
+def hf_yarn(
+    theta, dim, factor, orig, beta_fast=32, beta_slow=1, attention_factor=None, mscale=None, mscale_all_dim=None
+):
     """transformers' `_compute_yarn_parameters`, restated in numpy: (inv_freq, attention_factor)."""
+
     def get_mscale(scale, m=1):
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
     if attention_factor is None:
-        attention_factor = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
-                            if mscale and mscale_all_dim else get_mscale(factor))
+        attention_factor = (
+            get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+            if mscale and mscale_all_dim
+            else get_mscale(factor)
+        )
 
     def corr(n_rot):
         return dim * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
@@ -447,14 +545,34 @@ def hf_yarn(theta, dim, factor, orig, beta_fast=32, beta_slow=1, attention_facto
     return (extrap / factor) * (1 - e) + extrap * e, attention_factor
 
 
-@pytest.mark.parametrize("rope, kw", [
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, {}),
-    ({"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048, "beta_fast": 16, "beta_slow": 2,
-      "attention_factor": 0.8}, dict(beta_fast=16, beta_slow=2, attention_factor=0.8)),
-    ({"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 1024, "mscale": 0.707,
-      "mscale_all_dim": 1.0}, dict(mscale=0.707, mscale_all_dim=1.0)),
-    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192, "truncate": True}, {}),
-])
+@pytest.mark.parametrize(
+    "rope, kw",
+    [
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, {}),
+        (
+            {
+                "type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 2048,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "attention_factor": 0.8,
+            },
+            dict(beta_fast=16, beta_slow=2, attention_factor=0.8),
+        ),
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 16.0,
+                "original_max_position_embeddings": 1024,
+                "mscale": 0.707,
+                "mscale_all_dim": 1.0,
+            },
+            dict(mscale=0.707, mscale_all_dim=1.0),
+        ),
+        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192, "truncate": True}, {}),
+    ],
+)
 def test_yarn_mapping_matches_transformers_formula(rope, kw):
     theta = 1e6
     hf = dict(DFLASH_SAVED_CONFIG, rope_parameters=dict(rope, rope_theta=theta))
@@ -474,14 +592,27 @@ def test_yarn_mapping_matches_transformers_formula(rope, kw):
 def test_rope_variants_mapping():
     base = {k: v for k, v in DFLASH_SAVED_CONFIG.items() if k != "rope_parameters"}
     # 4.x style: rope_theta + rope_scaling (rope_scaling wins over rope_parameters, like transformers)
-    cfg = H.config_from_hf(dict(base, rope_theta=5e5, rope_scaling={"type": "yarn", "factor": 4.0},
-                                rope_parameters={"rope_type": "default"}, max_position_embeddings=65536))
+    cfg = H.config_from_hf(
+        dict(
+            base,
+            rope_theta=5e5,
+            rope_scaling={"type": "yarn", "factor": 4.0},
+            rope_parameters={"rope_type": "default"},
+            max_position_embeddings=65536,
+        )
+    )
     assert (cfg.rope_theta, cfg.freq_scale, cfg.n_ctx_orig) == (5e5, 0.25, 65536)  # orig <- max_position_embeddings
-    cfg = H.config_from_hf(dict(base, rope_scaling={"rope_type": "yarn", "factor": 4.0},
-                                original_max_position_embeddings=1000))
+    cfg = H.config_from_hf(
+        dict(base, rope_scaling={"rope_type": "yarn", "factor": 4.0}, original_max_position_embeddings=1000)
+    )
     assert cfg.n_ctx_orig == 1000  # a top-level original_max_position_embeddings wins
-    cfg = H.config_from_hf(dict(base, rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 4096},
-                                max_position_embeddings=32768))
+    cfg = H.config_from_hf(
+        dict(
+            base,
+            rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 4096},
+            max_position_embeddings=32768,
+        )
+    )
     assert cfg.freq_scale == 1 / 8  # factor from max_position_embeddings / original
     cfg = H.config_from_hf(dict(base, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}))
     assert (cfg.freq_scale, cfg.ext_factor, cfg.attn_factor) == (0.5, 0.0, 1.0)
@@ -493,38 +624,60 @@ def test_rope_variants_mapping():
 # ------------------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "unsupported rope type 'dynamic'"),
-    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}), "unsupported rope type 'llama3'"),
-    (dict(rope_scaling={"type": "longrope", "short_factor": [1]}), "unsupported rope type 'longrope'"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "truncate": False}), "truncate=false"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
-    (dict(partial_rotary_factor=0.25), "partial_rotary_factor"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "low_freq_factor": 1}), "low_freq_factor"),
-    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1.0},
-                           "sliding_attention": {"rope_type": "default", "rope_theta": 2.0}}), "per-layer-type rope"),
-    (dict(architectures=["DFlash2DraftModel"]), "DFlash-2"),
-    (dict(architectures=["Qwen3ForCausalLM"]), "unsupported architecture"),
-    (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "conv_kernel_size": 4}), "DFlash-2 config key"),
-    (dict(selector_rank=8), "DFlash-2 config key"),
-    (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "frobnicate": 1}), "frobnicate"),
-    (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "attention_mode": "mla"}), "attention_mode 'mla'"),
-    (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "causal": True}), "causal=true"),
-    (dict(frobnicate=1), r"unsupported config.json key\(s\) \['frobnicate'\]"),
-    (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
-    (dict(attention_bias=True), "attention_bias"),
-    (dict(mlp_bias=True), "mlp_bias"),
-    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    (dict(is_causal=True), "is_causal"),
-    (dict(layer_types=["sliding_attention", "full_attention"]), "without a sliding window"),
-    (dict(layer_types=["chunked_attention", "full_attention"]), "chunked_attention"),
-    (dict(layer_types=["full_attention"]), "layer_types must list 2"),
-    (dict(dflash_config={"target_layer_ids": [0]}), "mask_token_id"),
-    (dict(dflash_config={"mask_token_id": 1}, num_target_layers=...), "neither target_layer_ids nor num_target_layers"),
-    (dict(hidden_size=128.5), "hidden_size must be an integer"),
-    (dict(num_attention_heads=3), "multiple of n_head_kv"),
-    (dict(dflash_config={"mask_token_id": 5000, "target_layer_ids": [0]}), "mask_token_id 5000 outside vocab"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "unsupported rope type 'dynamic'"),
+        (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}), "unsupported rope type 'llama3'"),
+        (dict(rope_scaling={"type": "longrope", "short_factor": [1]}), "unsupported rope type 'longrope'"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "truncate": False}), "truncate=false"),
+        (
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+            "partial_rotary_factor",
+        ),
+        (dict(partial_rotary_factor=0.25), "partial_rotary_factor"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "low_freq_factor": 1}), "low_freq_factor"),
+        (
+            dict(
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": 1.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 2.0},
+                }
+            ),
+            "per-layer-type rope",
+        ),
+        (dict(architectures=["DFlash2DraftModel"]), r"DFlash-2 config without \['conv_kernel_size'"),
+        (dict(architectures=["Qwen3ForCausalLM"]), "unsupported architecture"),
+        (
+            dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "conv_kernel_size": 4}),
+            r"DFlash-2 key\(s\) \['conv_kernel_size'\] under architecture 'DFlashDraftModel'",
+        ),
+        (dict(selector_rank=8), r"DFlash-2 key\(s\) \['selector_rank'\] under architecture"),
+        (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "frobnicate": 1}), "frobnicate"),
+        (
+            dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "attention_mode": "mla"}),
+            "attention_mode 'mla'",
+        ),
+        (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "causal": True}), "causal=true"),
+        (dict(frobnicate=1), r"unsupported config.json key\(s\) \['frobnicate'\]"),
+        (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (dict(is_causal=True), "is_causal"),
+        (dict(layer_types=["sliding_attention", "full_attention"]), "without a sliding window"),
+        (dict(layer_types=["chunked_attention", "full_attention"]), "chunked_attention"),
+        (dict(layer_types=["full_attention"]), "layer_types must list 2"),
+        (dict(dflash_config={"target_layer_ids": [0]}), "mask_token_id"),
+        (
+            dict(dflash_config={"mask_token_id": 1}, num_target_layers=...),
+            "neither target_layer_ids nor num_target_layers",
+        ),
+        (dict(hidden_size=128.5), "hidden_size must be an integer"),
+        (dict(num_attention_heads=3), "multiple of n_head_kv"),
+        (dict(dflash_config={"mask_token_id": 5000, "target_layer_ids": [0]}), "mask_token_id 5000 outside vocab"),
+    ],
+)
 def test_config_refusals(tmp_path, changes, match):
     hf = dict(DFLASH_SAVED_CONFIG)
     for key, value in changes.items():
@@ -547,13 +700,16 @@ def test_extra_tensor_is_refused(ckpt):
         load_checkpoint(ckpt)
 
 
-@pytest.mark.parametrize("extra, match", [
-    ("layers.0.attention_conv.base_kernel", "DFlash-2"),
-    ("layers.1.mlp_conv.kernel_projection.weight", "DFlash-2"),
-    ("candidate_selector.predecessor_codebook", "DFlash-2"),
-    ("layers.0.self_attn.q_proj.bias", r"bias tensor.*q_proj\.bias"),
-    ("rotary_emb.inv_freq", r"rotary_emb\.inv_freq"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ("layers.0.attention_conv.base_kernel", r"DFlash-2 tensor.*base_kernel.*config\.json is DFlash-1"),
+        ("layers.1.mlp_conv.kernel_projection.weight", r"DFlash-2 tensor.*kernel_projection.*config\.json is DFlash-1"),
+        ("candidate_selector.predecessor_codebook", r"DFlash-2 tensor.*predecessor_codebook.*config\.json is DFlash-1"),
+        ("layers.0.self_attn.q_proj.bias", r"bias tensor.*q_proj\.bias"),
+        ("rotary_emb.inv_freq", r"rotary_emb\.inv_freq"),
+    ],
+)
 def test_unrunnable_tensors_are_refused(ckpt, extra, match):
     tensors = dict(load_checkpoint(ckpt).items())
     rewrite_tensors(ckpt, dict(tensors, **{extra: np.zeros(4, np.float32)}))
@@ -573,7 +729,9 @@ def test_wrong_shape_is_refused(ckpt):
     tensors = dict(load_checkpoint(ckpt).items())
     tensors["layers.0.self_attn.k_proj.weight"] = tensors["layers.0.self_attn.k_proj.weight"].T.copy()
     rewrite_tensors(ckpt, tensors)
-    with pytest.raises(CheckpointError, match=r"'layers\.0\.self_attn\.k_proj\.weight' has shape \(32, 16\).*\(16, 32\)"):
+    with pytest.raises(
+        CheckpointError, match=r"'layers\.0\.self_attn\.k_proj\.weight' has shape \(32, 16\).*\(16, 32\)"
+    ):
         load_checkpoint(ckpt)
 
 
@@ -596,7 +754,9 @@ def test_missing_files_are_refused(tmp_path, ckpt):
     with pytest.raises(CheckpointNotFoundError, match="nowhere"):
         load_checkpoint(tmp_path / "nowhere")
     (ckpt / "model.safetensors").unlink()
-    with pytest.raises(CheckpointNotFoundError, match=r"no model\.safetensors or model\.safetensors\.index\.json in .*ck"):
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"no model\.safetensors or model\.safetensors\.index\.json in .*ck"
+    ):
         load_checkpoint(ckpt)
     (ckpt / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(CheckpointNotFoundError, match=r"pytorch_model\.bin.*only safetensors"):
@@ -663,5 +823,11 @@ def test_save_overwrites_and_leaves_no_temp_files(tmp_path):
 
 def test_expected_names_are_dflash_names():
     names = set(expected_shapes(small_cfg()))
-    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
-            "layers.0.mlp.down_proj.weight", "layers.1.post_attention_layernorm.weight"} <= names
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.1.self_attn.q_norm.weight",
+        "layers.0.mlp.down_proj.weight",
+        "layers.1.post_attention_layernorm.weight",
+    } <= names

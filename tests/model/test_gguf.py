@@ -13,7 +13,8 @@ from pyggml_dkv.model.gguf_write import matrix_type, use_more_bits
 from pyggml_dkv.model.weights import DraftWeights
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGUFReader, GGUFValueType as T  # noqa: E402
+from gguf import GGUFReader  # noqa: E402
+from gguf import GGUFValueType as T  # noqa: E402
 
 from tests.model.gguf_helpers import copy_gguf, write_vocab_gguf  # noqa: E402
 
@@ -71,11 +72,27 @@ def test_names_keys_and_target_layer_inputs(toy_file):
     assert kv["dflash.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
     assert kv["tokenizer.ggml.mask_token_id"] == 5 and len(kv["tokenizer.ggml.tokens"]) == N_VOCAB
     names = {t.name for t in GGUFReader(path, "r").tensors}
-    layer = {f"blk.{i}.{s}.weight" for i in range(2) for s in (
-        "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-        "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
-    assert names == {"fc.weight", "enc.output_norm.weight", "output_norm.weight", "token_embd.weight",
-                     "output.weight"} | layer
+    layer = {
+        f"blk.{i}.{s}.weight"
+        for i in range(2)
+        for s in (
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "attn_q_norm",
+            "attn_k_norm",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        )
+    }
+    assert (
+        names
+        == {"fc.weight", "enc.output_norm.weight", "output_norm.weight", "token_embd.weight", "output.weight"} | layer
+    )
     t = {t.name: t for t in GGUFReader(path, "r").tensors}
     assert list(t["fc.weight"].shape) == [3 * 256, 256]  # ggml order [in, out]
     np.testing.assert_array_equal(np.asarray(t["enc.output_norm.weight"].data), w["hidden_norm.weight"])
@@ -110,12 +127,14 @@ def test_q4_k_m_is_llama_cpps_mix(tmp_path, vocab_file):
     eighth), each matrix stored and read back in its own type."""
     cfg = toy_cfg()
     w = toy_weights(cfg)
-    r = DraftWeights.from_pretrained(w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype="q4_k_m",
-                                                       vocab_from=vocab_file))
+    r = DraftWeights.from_pretrained(
+        w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype="q4_k_m", vocab_from=vocab_file)
+    )
     six = {"lm_head", "layers.1.self_attn.v_proj.weight", "layers.1.mlp.down_proj.weight"}
     for name, stored in r.stored.items():
         want_type = "q6_k" if name in six else "q4_k"
         assert stored.type_name == want_type == matrix_type(name, "q4_k_m", cfg.n_layer), name
+
         def of(d: DraftWeights) -> np.ndarray:
             return getattr(d, name) if name in ("lm_head", "embed_tokens") else d[name]
 
@@ -137,13 +156,16 @@ def test_without_vocab_matrices_and_path_forms(tmp_path, vocab_file):
     assert r.embed_tokens is None and r.lm_head is None
 
 
-@pytest.mark.parametrize("changes", [
-    dict(freq_scale=0.25, ext_factor=1.0, n_ctx_orig=64, rope_theta=10000.0),  # YaRN
-    dict(freq_scale=0.5),  # linear
-    dict(freq_scale=0.5, attn_factor=0.9),
-    dict(layer_types=["full", "sliding"], swa_window=24),
-    dict(output_multiplier=0.7, final_logit_softcapping=3.0, input_embedding_scale=2.0, block_size=10),
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(freq_scale=0.25, ext_factor=1.0, n_ctx_orig=64, rope_theta=10000.0),  # YaRN
+        dict(freq_scale=0.5),  # linear
+        dict(freq_scale=0.5, attn_factor=0.9),
+        dict(layer_types=["full", "sliding"], swa_window=24),
+        dict(output_multiplier=0.7, final_logit_softcapping=3.0, input_embedding_scale=2.0, block_size=10),
+    ],
+)
 def test_config_round_trip(changes, tmp_path, vocab_file):
     cfg = toy_cfg(**changes)
     path = DraftWeights.random(cfg).save_pretrained(tmp_path / "c.gguf", format="gguf", vocab_from=vocab_file)
@@ -159,11 +181,18 @@ def test_yarn_keys_as_llama_cpp_reads_them(tmp_path, vocab_file):
     assert "dflash.rope.scaling.attn_factor" not in kv  # llama.cpp's default magnitude is our attn_factor 1
 
 
-@pytest.mark.parametrize("name,value,ok", [
-    ("yarn_beta_fast", 32.0, True), ("yarn_beta_slow", 1.0, True), ("yarn_ext_factor", 1.0, True),
-    ("yarn_attn_factor", 1.0 + 0.1 * np.log(4.0), True),  # what the converter copies from an HF default
-    ("yarn_beta_fast", 16.0, False), ("yarn_ext_factor", 0.5, False), ("yarn_attn_factor", 1.0, False),
-])
+@pytest.mark.parametrize(
+    "name,value,ok",
+    [
+        ("yarn_beta_fast", 32.0, True),
+        ("yarn_beta_slow", 1.0, True),
+        ("yarn_ext_factor", 1.0, True),
+        ("yarn_attn_factor", 1.0 + 0.1 * np.log(4.0), True),  # what the converter copies from an HF default
+        ("yarn_beta_fast", 16.0, False),
+        ("yarn_ext_factor", 0.5, False),
+        ("yarn_attn_factor", 1.0, False),
+    ],
+)
 def test_yarn_keys_the_converter_copies(name, value, ok, tmp_path, vocab_file):
     cfg = toy_cfg(freq_scale=0.25, ext_factor=1.0, n_ctx_orig=64)
     src = DraftWeights.random(cfg).save_pretrained(tmp_path / "y.gguf", format="gguf", vocab_from=vocab_file)
@@ -186,19 +215,33 @@ def test_write_refusals(tmp_path, vocab_file):
         w.save_pretrained(tmp_path / "a.gguf", format="gguf", vocab_from=small)
     with pytest.raises(GGUFError, match="betas"):
         DraftWeights.random(toy_cfg(freq_scale=0.5, ext_factor=1.0, n_ctx_orig=64, beta_fast=16.0)).save_pretrained(
-            tmp_path / "a.gguf", format="gguf", vocab_from=vocab_file)
-    odd = DraftConfig(hidden=96, n_layer=1, n_head=2, n_head_kv=1, head_dim=48, ffn=160, block_size=4,
-                      n_target_layers=1, vocab=N_VOCAB, target_layer_ids=[3])
+            tmp_path / "a.gguf", format="gguf", vocab_from=vocab_file
+        )
+    odd = DraftConfig(
+        hidden=96,
+        n_layer=1,
+        n_head=2,
+        n_head_kv=1,
+        head_dim=48,
+        ffn=160,
+        block_size=4,
+        n_target_layers=1,
+        vocab=N_VOCAB,
+        target_layer_ids=[3],
+    )
     with pytest.raises(GGUFError, match="q4_k"):
-        DraftWeights.random(odd).save_pretrained(tmp_path / "a.gguf", format="gguf", dtype="q4_k", vocab_from=vocab_file)
+        DraftWeights.random(odd).save_pretrained(
+            tmp_path / "a.gguf", format="gguf", dtype="q4_k", vocab_from=vocab_file
+        )
     with pytest.raises(ValueError, match="format"):
         w.save_pretrained(tmp_path / "a", format="onnx")
     assert not list(tmp_path.glob("a.gguf*"))
 
 
 REFUSED_KEYS = [
-    ("dflash.conv_kernel_size", (4, T.UINT32), "DFlash-2"),
-    ("dflash.selector_top_k", (4, T.UINT32), "selector"),
+    # DFlash-2 keys without the others (more in test_dflash2_files.py)
+    ("dflash.conv_kernel_size", (4, T.UINT32), "missing key 'dflash.conv_group_size'"),
+    ("dflash.selector_top_k", (4, T.UINT32), "missing key 'dflash.conv_kernel_size'"),
     ("dflash.has_confidence_head", (True, T.BOOL), "DSpark"),
     ("dflash.sample_from_anchor", (False, T.BOOL), "DSpark"),
     ("dflash.attention.value_scale", (0.5, T.FLOAT32), "value scale"),
@@ -225,8 +268,9 @@ def test_refused_keys(name, value, match, toy_file, tmp_path):
 
 REFUSED_TENSORS = [
     ("blk.0.attn_post_norm.weight", (256,), "post-attention"),
-    ("selector_hidden.weight", (8, 256), "DFlash-2"),
-    ("blk.1.attn_conv_proj.weight", (8, 256), "DFlash-2"),
+    # DFlash-2 tensors in a file without the DFlash-2 keys
+    ("selector_hidden.weight", (8, 256), "DFlash-2 tensor .* none of the keys"),
+    ("blk.1.attn_conv_proj.weight", (8, 256), "DFlash-2 tensor .* none of the keys"),
     ("markov_w1.weight", (N_VOCAB, 8), "DSpark"),
     ("fc.scale", (1,), "scales"),
     ("blk.0.attn_sinks.weight", (4,), "sinks"),

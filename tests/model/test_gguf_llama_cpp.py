@@ -12,12 +12,18 @@ import pytest
 from pyggml_dkv import DraftKvCache, FeatureRing
 from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
+from pyggml_dkv.drafter.backend_weights import upload_stored
 from pyggml_dkv.hosts.llama_cpp import native_dflash
-from pyggml_dkv.hosts.llama_cpp.native_dflash import (llama_cpp_available, llama_dflash_bench, llama_dflash_trajectory,
-                                                      llama_model_info)
+from pyggml_dkv.hosts.llama_cpp.native_dflash import (
+    llama_cpp_available,
+    llama_dflash_bench,
+    llama_dflash_trajectory,
+    llama_model_info,
+)
 from pyggml_dkv.model.config import DraftConfig
-from pyggml_dkv.model.stored import upload_stored
 from pyggml_dkv.model.weights import DraftWeights
+
+pytestmark = pytest.mark.slow  # llama.cpp runs our GGUF files: the slow tier
 
 pytest.importorskip("gguf")
 if not llama_cpp_available():
@@ -50,7 +56,11 @@ def test_llama_cpp_loads_what_we_write(dtype, tmp_path, target_gguf):
     cfg = w.cfg
     assert info["meta"]["general.architecture"] == "dflash"
     assert (info["n_embd"], info["n_layer"], info["n_head"], info["n_head_kv"]) == (
-        cfg.hidden, cfg.n_layer, cfg.n_head, cfg.n_head_kv)
+        cfg.hidden,
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_head_kv,
+    )
     assert info["n_vocab"] == 49152 and info["mask"] == cfg.mask_token_id
     assert info["target_layer_ids"] == [i + 1 for i in cfg.target_layer_ids]  # layer inputs
     assert info["rope_type"] == 2  # LLAMA_ROPE_TYPE_NEOX
@@ -83,8 +93,14 @@ def commits_trajectory(rng, cap: int, q_len: int, n: int) -> list[int]:
 # to q8_0 in every product, each with its own rounding); Q4_K_M 2.3e-2 (q8_K activations; ours on
 # the VNNI kernels of old patch 0020-0021, llama.cpp on its own; each 2.4e-2 from the
 # reference). Tolerances ~2.5x those.
-TOL = {("f16", False): 2e-3, ("f16", True): 2e-3, ("q8_0", False): 4e-2, ("q8_0", True): 4e-2,
-       ("q4_k_m", False): 6e-2, ("q4_k_m", True): 6e-2}
+TOL = {
+    ("f16", False): 2e-3,
+    ("f16", True): 2e-3,
+    ("q8_0", False): 4e-2,
+    ("q8_0", True): 4e-2,
+    ("q4_k_m", False): 6e-2,
+    ("q4_k_m", True): 6e-2,
+}
 
 
 @pytest.mark.parametrize("dtype,flash_attn", list(TOL))
@@ -107,10 +123,12 @@ def test_llama_cpp_drafter_matches_ours(dtype, flash_attn, tmp_path, target_gguf
     emb, emb_buf = upload_stored(cpu, g.stored["embed_tokens"], "embed_tokens")
     head, head_buf = upload_stored(cpu, g.stored["lm_head"], "lm_head")
     try:
-        with g.to_backend(cpu, "native") as bw, \
-                DraftKvCache(bw, cpu, cap, lm_head=head, embed_tokens=emb, cache_type="f16") as cache:
+        with (
+            g.to_backend(cpu, "native") as bw,
+            DraftKvCache(bw, cpu, cap, lm_head=head, embed_tokens=emb, cache_type="f16") as cache,
+        ):
             for k, committed in enumerate(commits):
-                ring.write(min(ring.written, committed), feats[min(ring.written, committed):committed])
+                ring.write(min(ring.written, committed), feats[min(ring.written, committed) : committed])
                 ours = cache.step_tokens(ring, committed, tokens[k], output="logits")
                 want = R.reference_step(g, feats, committed, cap, g.embed_tokens[tokens[k]], lm_head=g.lm_head)
                 errs["llama.cpp-vs-ours"] = max(errs["llama.cpp-vs-ours"], relative_error(theirs[k], ours))
@@ -148,8 +166,17 @@ def test_llama_dflash_bench_wait_policies(tmp_path, target_gguf, monkeypatch):
 
     monkeypatch.setattr(native_dflash.subprocess, "run", run)
     for policy in (None, "passive", "active"):
-        times = llama_dflash_bench(path, [8, 20], fc_in=w.cfg.fc_in, q_len=w.cfg.block_size, n_new=3, reps=2, warmup=1,
-                                   threads=1, omp_wait_policy=policy)
+        times = llama_dflash_bench(
+            path,
+            [8, 20],
+            fc_in=w.cfg.fc_in,
+            q_len=w.cfg.block_size,
+            n_new=3,
+            reps=2,
+            warmup=1,
+            threads=1,
+            omp_wait_policy=policy,
+        )
         assert sorted(times) == [8, 20] and all(len(t) == 2 and min(t) > 0 for t in times.values()), (policy, times)
     assert seen == [None, "PASSIVE", "ACTIVE"]
     with pytest.raises(ValueError, match="omp_wait_policy"):

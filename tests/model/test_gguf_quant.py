@@ -17,10 +17,9 @@ import pytest
 from pyggml_dkv import DraftKvCache, FeatureRing
 from pyggml_dkv import reference as R
 from pyggml_dkv.common.numeric import relative_error
-from pyggml_dkv.model.backend_weights import repack_buffer
+from pyggml_dkv.drafter.backend_weights import repack_buffer, upload_stored
 from pyggml_dkv.model.config import DraftConfig
 from pyggml_dkv.model.gguf_write import matrix_type
-from pyggml_dkv.model.stored import upload_stored
 from pyggml_dkv.model.weights import DraftWeights
 
 pytest.importorskip("gguf")
@@ -36,7 +35,13 @@ N_VOCAB = 128
 # so one outlier coarsens more values). The weights themselves are exact (the reference
 # computes with the dequantized blocks), which is why q6_k is no closer than q4_k.
 TOL = {
-    "f16": 3e-4, "bf16": 1e-2, "q8_0": 3e-2, "q4_0": 3e-2, "q6_k": 5e-2, "q5_k": 5e-2, "q4_k": 5e-2,
+    "f16": 3e-4,
+    "bf16": 1e-2,
+    "q8_0": 3e-2,
+    "q4_0": 3e-2,
+    "q6_k": 5e-2,
+    "q5_k": 5e-2,
+    "q4_k": 5e-2,
     "q4_k_m": 5e-2,  # llama.cpp's mix of q4_k and q6_k (the head's q6_k on its VNNI kernel where there is one)
 }
 COMMITS = (3, 17, 40, 41, 90, 75, 160, 161, 300)
@@ -47,14 +52,21 @@ def vocab_file(tmp_path_factory):
     return write_vocab_gguf(tmp_path_factory.mktemp("vocab") / "target.gguf", N_VOCAB)
 
 
-@pytest.mark.parametrize("dtype", list(TOL))
+# the fast tier (-m "not slow") runs q8_0 and q4_k, the full suite every type
+@pytest.mark.parametrize(
+    "dtype", [t if t in ("q8_0", "q4_k") else pytest.param(t, marks=pytest.mark.slow) for t in TOL]
+)
 def test_native_quantized_step_matches_reference(dtype, tmp_path, vocab_file, cpu, parity_log):
     cfg = DraftConfig.toy(vocab=N_VOCAB, mask_token_id=3, target_layer_ids=[1, 4, 7])
     rng = np.random.default_rng(5)
-    w = DraftWeights(cfg, dict(DraftWeights.random(cfg, seed=5)),
-                     lm_head=rng.standard_normal((N_VOCAB, cfg.hidden), dtype=np.float32) / np.float32(16))
-    g = DraftWeights.from_pretrained(w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype=dtype,
-                                                       vocab_from=vocab_file))
+    w = DraftWeights(
+        cfg,
+        dict(DraftWeights.random(cfg, seed=5)),
+        lm_head=rng.standard_normal((N_VOCAB, cfg.hidden), dtype=np.float32) / np.float32(16),
+    )
+    g = DraftWeights.from_pretrained(
+        w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype=dtype, vocab_from=vocab_file)
+    )
     cap = 70
     feats = rng.standard_normal((max(COMMITS) + 1, cfg.fc_in)).astype(np.float32)
     ring = FeatureRing(cap + 3 * cfg.block_size, cfg.fc_in)
@@ -68,10 +80,12 @@ def test_native_quantized_step_matches_reference(dtype, tmp_path, vocab_file, cp
         # the lm_head is only multiplied: it may be repacked too (its q8_0 blocks on the VNNI / AMX kernels)
         head, head_buf = upload_stored(cpu, g.stored["lm_head"], "lm_head", matmul_only=True)
         try:
-            with DraftKvCache(bw, cpu, cap, cache_type="f32") as hid, \
-                    DraftKvCache(bw, cpu, cap, lm_head=head, cache_type="f32") as lgt:
+            with (
+                DraftKvCache(bw, cpu, cap, cache_type="f32") as hid,
+                DraftKvCache(bw, cpu, cap, lm_head=head, cache_type="f32") as lgt,
+            ):
                 for committed in COMMITS:
-                    ring.write(min(ring.written, committed), feats[min(ring.written, committed):committed])
+                    ring.write(min(ring.written, committed), feats[min(ring.written, committed) : committed])
                     noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
                     for what, cache, lm in (("hidden", hid, None), ("logits", lgt, g.lm_head)):
                         got = cache.step(ring, committed, noise)
@@ -93,10 +107,14 @@ def test_upload_stored_repacks_only_matmul_matrices(tmp_path, vocab_file, cpu):
     q8_0 product) to rounding."""
     cfg = DraftConfig.toy(vocab=N_VOCAB, mask_token_id=3, target_layer_ids=[1, 4, 7])
     rng = np.random.default_rng(6)
-    w = DraftWeights(cfg, dict(DraftWeights.random(cfg, seed=6)),
-                     lm_head=rng.standard_normal((N_VOCAB, cfg.hidden), dtype=np.float32) / np.float32(16))
-    g = DraftWeights.from_pretrained(w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype="q8_0",
-                                                       vocab_from=vocab_file))
+    w = DraftWeights(
+        cfg,
+        dict(DraftWeights.random(cfg, seed=6)),
+        lm_head=rng.standard_normal((N_VOCAB, cfg.hidden), dtype=np.float32) / np.float32(16),
+    )
+    g = DraftWeights.from_pretrained(
+        w.save_pretrained(tmp_path / "d.gguf", format="gguf", dtype="q8_0", vocab_from=vocab_file)
+    )
     feats = rng.standard_normal((40, cfg.fc_in)).astype(np.float32)
     ring = FeatureRing(64, cfg.fc_in)
     ring.append(feats)
@@ -117,3 +135,23 @@ def test_upload_stored_repacks_only_matmul_matrices(tmp_path, vocab_file, cpu):
     np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=2e-5 * scale)
     with pytest.raises(TypeError, match="matmul_only"):
         upload_stored(cpu, g.stored["lm_head"], "lm_head", matmul_only=1)
+
+
+def test_the_stored_types_block_sizes_are_ggmls():
+    """model/stored.py states ggml's block sizes itself (it imports without ggml): they must be ggml's."""
+    from pyggml_dkv.ggml import lib
+    from pyggml_dkv.ggml.types import ggml_type
+    from pyggml_dkv.model.stored import BLOCKS, STORED_TYPES, StoredMatrix, row_bytes
+
+    assert set(BLOCKS) == set(STORED_TYPES)
+    for name, (block, size) in BLOCKS.items():
+        t = ggml_type(name)
+        assert (block, size) == (int(lib.ggml_blck_size(t)), int(lib.ggml_type_size(t))), name
+        assert row_bytes(name, 4 * block) == int(lib.ggml_row_size(t, 4 * block)), name
+        StoredMatrix(name, (3, 2 * block), np.zeros(3 * row_bytes(name, 2 * block), np.uint8))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        StoredMatrix("q4_k", (2, 128), np.zeros(144, np.uint8))
+    with pytest.raises(ValueError, match="needs 68 uint8 bytes"):
+        StoredMatrix("q8_0", (2, 32), np.zeros(67, np.uint8))
+    with pytest.raises(ValueError, match="must be one of"):
+        StoredMatrix("q2_k", (2, 256), np.zeros(168, np.uint8))

@@ -44,8 +44,12 @@ def brute_conv(x, base, deltas, side, block_len):
 
 def test_conv_hand_computed():
     x = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
-    base = np.array([[[1.0, 0.5], [0.25, -1.0]],  # side 0: tap 0, tap 1
-                     [[2.0, 2.0], [0.0, 0.0]]])  # side 1: 2 * x
+    base = np.array(
+        [
+            [[1.0, 0.5], [0.25, -1.0]],  # side 0: tap 0, tap 1
+            [[2.0, 2.0], [0.0, 0.0]],
+        ]
+    )  # side 1: 2 * x
     deltas = np.zeros((3, 2, 2, 1))  # one group of two channels
     deltas[:, 0, :, 0] = [[0.1, 0.2], [0.0, 1.0], [-1.0, 0.5]]
     # row 0: (1+.1)*1, (.5+.1)*2 (tap 1 reads the zero before the block)
@@ -131,12 +135,15 @@ def test_conv_sublayer_order_and_causality():
         np.testing.assert_array_equal(D2.conv_sublayer(changed, base, proj, rowwise, GROUP)[:j], got[:j])
 
 
-@pytest.mark.parametrize("bad", [
-    dict(side=2),
-    dict(block_len=4),  # 6 rows do not split into blocks of 4
-    dict(deltas=np.zeros((6, 2, K, 3))),  # 3 groups do not divide H = 8
-    dict(x=np.full((6, H), np.nan)),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(side=2),
+        dict(block_len=4),  # 6 rows do not split into blocks of 4
+        dict(deltas=np.zeros((6, 2, K, 3))),  # 3 groups do not divide H = 8
+        dict(x=np.full((6, H), np.nan)),
+    ],
+)
 def test_conv_rejects_bad_arguments(bad):
     args = dict(x=np.zeros((6, H)), base_kernel=np.zeros((2, K, H)), deltas=np.zeros((6, 2, K, G)), side=0)
     args.update(bad)
@@ -217,8 +224,12 @@ def test_greedy_walk_is_the_lexicographic_best_path():
 
 def test_greedy_walk_is_not_the_best_total_path():
     cands = np.array([[5, 6], [7, 8]])
-    scores = np.array([[[1.0, 0.0], [1.0, 0.0]],  # position 1: candidate 0 wins
-                       [[0.0, 0.0], [10.0, 0.0]]])  # after candidate 1 the pair would score 10
+    scores = np.array(
+        [
+            [[1.0, 0.0], [1.0, 0.0]],  # position 1: candidate 0 wins
+            [[0.0, 0.0], [10.0, 0.0]],
+        ]
+    )  # after candidate 1 the pair would score 10
     lat = D2.Lattice(candidates=cands, scores=scores)
     np.testing.assert_array_equal(D2.greedy_walk(lat), [5, 7])  # total 1, not 0 + 10
 
@@ -245,7 +256,7 @@ def test_pack_lattice_matches_llama_cpp_indexing():
     pred, drafted = 0, []
     for i in range(1, 5):
         row = packed[i]
-        scores = row[3 + pred * 3: 3 + pred * 3 + 3]
+        scores = row[3 + pred * 3 : 3 + pred * 3 + 3]
         pred = int(np.argmax(scores))
         drafted.append(int(row[pred]))
     np.testing.assert_array_equal(D2.greedy_walk(lat), drafted)

@@ -14,8 +14,10 @@ import pytest
 torch = pytest.importorskip("torch", exc_type=ImportError)
 dflash_model = pytest.importorskip("dflash.model", exc_type=ImportError)
 
-from tests.torch_threads import torch_threads  # noqa: E402
 from pyggml_dkv.reference import dflash2 as D2  # noqa: E402
+from tests.torch_threads import torch_threads  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the PyTorch reference model: the slow tier
 
 H, K, GROUP, RANK, VOCAB, TOP_K, N = 16, 3, 4, 6, 40, 4, 6
 
@@ -98,3 +100,73 @@ def test_sampled_distributions_match_upstream_select():
     got = D2.draft_distribution(lattice.candidates, np.array(ours), VOCAB)
     want = D2.draft_distribution(cands[0].numpy(), q[0].numpy(), VOCAB)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------- a whole drafter
+
+
+def test_upstream_loads_our_checkpoint_and_drafts_what_the_reference_drafts(tmp_path):
+    """A DFlash-2 checkpoint written here, loaded by upstream's DFlash2DraftModel.from_pretrained
+    (its key_mapping appends `.weight` to the codebooks): the same parameters, the same draft
+    hidden states as `reference.draft_forward` (upstream in float64; full layers, which both run
+    non-causal), and at temperature 0 the same draft ids as `draft_step_dflash2`; with the conv and
+    the selector zeroed out the hidden states differ (the check is not vacuous)."""
+    from pyggml_dkv import reference as R
+    from pyggml_dkv.common.numeric import relative_error
+    from pyggml_dkv.model.config import DraftConfig
+    from pyggml_dkv.model.weights import DraftWeights
+
+    cfg = DraftConfig(
+        hidden=64,
+        n_layer=2,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=16,
+        ffn=96,
+        block_size=6,
+        n_target_layers=2,
+        target_layer_ids=[1, 3],
+        vocab=VOCAB,
+        mask_token_id=VOCAB - 1,
+        rope_theta=10000.0,
+        output_multiplier=0.9,
+        final_logit_softcapping=8.0,
+        conv_kernel_size=3,
+        conv_group_size=8,
+        selector_rank=RANK,
+        selector_top_k=TOP_K,
+    )
+    w = DraftWeights.random(cfg, seed=4)
+    w.save_pretrained(tmp_path)
+    model = dflash_model.DFlash2DraftModel.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    ours = {k + ".weight" if k.endswith("_codebook") else k: v for k, v in w.items()}
+    assert set(state) == set(ours)
+    for name, arr in ours.items():
+        np.testing.assert_array_equal(state[name], arr, err_msg=name)
+
+    rng = np.random.default_rng(5)
+    committed, ctx_len = 40, 12
+    all_feats = rng.standard_normal((committed, cfg.fc_in))
+    noise = rng.standard_normal((cfg.block_size, cfg.hidden))
+    head = rng.standard_normal((VOCAB, cfg.hidden)) / np.sqrt(cfg.hidden)
+    pos = torch.arange(committed - ctx_len, committed + cfg.block_size)[None]
+    with torch.no_grad():
+        hidden = model(
+            position_ids=pos,
+            noise_embedding=t64(noise)[None],
+            target_hidden=t64(all_feats[committed - ctx_len :])[None],
+        )
+        output_head = torch.nn.Linear(cfg.hidden, VOCAB, bias=False).to(torch.float64)
+        output_head.weight.copy_(t64(head))
+        path, _, _ = model.propose(hidden[:, 1:], torch.tensor([11]), output_head, 0.0)
+    want = R.reference_step(w, all_feats, committed, ctx_len, noise)
+    # transformers computes the rotary cos/sin in float32 even in a float64 model: ~3e-7 (a
+    # DFlash-1 drafter shows the same ~2e-7), while a wrong convolution is O(1)
+    assert relative_error(hidden[0].numpy(), want) < 2e-6
+    lattice, ids = D2.draft_step_dflash2(w, all_feats, committed, ctx_len, noise, 11, head)
+    np.testing.assert_array_equal(ids, path[0].numpy())
+    # negative control: the same weights as a DFlash-1 drafter draft other hidden states
+    plain = cfg.replace(conv_kernel_size=0, conv_group_size=0, selector_rank=0, selector_top_k=0)
+    w1 = DraftWeights(plain, {k: v for k, v in w.items() if "_conv." not in k and "candidate_selector" not in k})
+    assert relative_error(R.reference_step(w1, all_feats, committed, ctx_len, noise), want) > 1e-2

@@ -155,7 +155,9 @@ def test_attention_matches_naive_loop_and_head_repetition():
     got = R.attention(q, k, v, visible)
     np.testing.assert_allclose(got, naive_attention(q, k, v, visible, 3), rtol=1e-12)
     # GQA == explicit repetition of each K/V head for its n_head // n_head_kv query heads
-    np.testing.assert_allclose(got, R.attention(q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1), visible), rtol=1e-12)
+    np.testing.assert_allclose(
+        got, R.attention(q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1), visible), rtol=1e-12
+    )
 
 
 def test_attention_validation():
@@ -183,23 +185,29 @@ def test_visibility_full_and_off():
 
 def test_visibility_seed_sliding():
     cfg = small_cfg(layer_types=["full", "sliding"], swa_window=2)
-    want = np.array([
-        # ctx 3 4 5 6 7 | noise 8 9 10
-        [0, 0, 0, 1, 1, 1, 0, 0],
-        [0, 0, 0, 1, 1, 1, 1, 0],
-        [0, 0, 0, 1, 1, 1, 1, 1],
-    ], dtype=bool)
+    want = np.array(
+        [
+            # ctx 3 4 5 6 7 | noise 8 9 10
+            [0, 0, 0, 1, 1, 1, 0, 0],
+            [0, 0, 0, 1, 1, 1, 1, 0],
+            [0, 0, 0, 1, 1, 1, 1, 1],
+        ],
+        dtype=bool,
+    )
     np.testing.assert_array_equal(R.visibility(cfg, "sliding", CTX, 8, 3, "seed"), want)
 
 
 def test_visibility_per_row_sliding():
     cfg = small_cfg(layer_types=["full", "sliding"], swa_window=2)
-    want = np.array([
-        # ctx 3 4 5 6 7 | noise 8 9 10
-        [0, 0, 0, 0, 1, 1, 0, 0],  # q=8: keys 7, 8
-        [0, 0, 0, 0, 0, 1, 1, 0],  # q=9: keys 8, 9
-        [0, 0, 0, 0, 0, 0, 1, 1],  # q=10: keys 9, 10
-    ], dtype=bool)
+    want = np.array(
+        [
+            # ctx 3 4 5 6 7 | noise 8 9 10
+            [0, 0, 0, 0, 1, 1, 0, 0],  # q=8: keys 7, 8
+            [0, 0, 0, 0, 0, 1, 1, 0],  # q=9: keys 8, 9
+            [0, 0, 0, 0, 0, 0, 1, 1],  # q=10: keys 9, 10
+        ],
+        dtype=bool,
+    )
     np.testing.assert_array_equal(R.visibility(cfg, "sliding", CTX, 8, 3, "per_row"), want)
 
 
@@ -339,7 +347,9 @@ def test_logits_multiplier_and_softcap():
     np.testing.assert_allclose(logits, 2.0 * np.tanh(hidden @ lm_head.T * 3.0 / 2.0), rtol=1e-12)
     assert np.abs(logits).max() <= 2.0
     plain = DraftWeights(cfg.replace(output_multiplier=1.0, final_logit_softcapping=None), dict(w))
-    np.testing.assert_allclose(R.draft_forward(plain, feats, np.arange(5), noise, 5, lm_head=lm_head), hidden @ lm_head.T)
+    np.testing.assert_allclose(
+        R.draft_forward(plain, feats, np.arange(5), noise, 5, lm_head=lm_head), hidden @ lm_head.T
+    )
 
 
 def test_hidden_is_rms_normed_by_out_norm():

@@ -51,10 +51,21 @@ def start_server(tmp: Path, *extra: str, timeout: float = 120.0) -> Server:
     smollm2_path()  # skips the test when the model cannot be had
     port = free_port()
     log = tmp / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "pyggml_dkv.serve", "--port", str(port), "--threads", str(max(THREADS, 1)),
-           "--log-level", "info", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "pyggml_dkv.serve",
+        "--port",
+        str(port),
+        "--threads",
+        str(max(THREADS, 1)),
+        "--log-level",
+        "info",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     server = Server(proc, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -73,8 +84,17 @@ def start_server(tmp: Path, *extra: str, timeout: float = 120.0) -> Server:
 @pytest.fixture(scope="package")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """SmolLM2 + the shipped drafter, 4 requests at once, a queue of 16, an API key."""
-    srv = start_server(tmp_path_factory.mktemp("serve"), "--parallel", "4", "--ctx-size", "512",
-                       "--max-queue", "16", "--api-key", API_KEY)
+    srv = start_server(
+        tmp_path_factory.mktemp("serve"),
+        "--parallel",
+        "4",
+        "--ctx-size",
+        "512",
+        "--max-queue",
+        "16",
+        "--api-key",
+        API_KEY,
+    )
     yield srv
     assert srv.stop() == 0, srv.log_text()[-3000:]
 

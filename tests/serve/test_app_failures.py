@@ -19,7 +19,6 @@ from pyggml_dkv.hosts.llama_cpp.text import LlamaText  # noqa: E402
 from pyggml_dkv.serve.app import create_app  # noqa: E402
 from pyggml_dkv.serving.engine import EngineStats  # noqa: E402
 from pyggml_dkv.serving.requests import RequestHandle, RequestParams  # noqa: E402
-
 from tests.hosts.hosts_helpers import smollm2_path  # noqa: E402
 
 

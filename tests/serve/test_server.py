@@ -10,10 +10,11 @@ import time
 
 import httpx
 import numpy as np
-import openai
 import pytest
 
 from tests.serve.conftest import API_KEY, Server, start_server
+
+pytestmark = pytest.mark.slow  # a live server on SmolLM2: the slow tier
 
 PROMPTS = (
     "Write a short poem about the sea.",
@@ -24,8 +25,9 @@ PROMPTS = (
 
 
 def chat(client, prompt: str, max_tokens: int = 32, **kw):
-    return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
-                                          max_tokens=max_tokens, temperature=0, **kw)
+    return client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0, **kw
+    )
 
 
 def post(server: Server, path: str, body, key: str | None = API_KEY, raw: bool = False) -> httpx.Response:
@@ -49,8 +51,10 @@ def test_a_second_turn_reuses_the_first_turns_positions(client):
     prompt tokens were kept from it (OpenAI's prompt_tokens_details.cached_tokens)."""
     messages = [{"role": "user", "content": PROMPTS[1]}]
     first = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "And in one word?"}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And in one word?"},
+    ]
     second = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
@@ -60,8 +64,12 @@ def test_completion_and_chat_streamed_or_not_agree(client):
     done = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=16, temperature=0)
     text = done.choices[0].text
     assert text and done.usage.completion_tokens == 16 and done.choices[0].finish_reason == "length"
-    pieces = [c.choices[0].text for c in client.completions.create(model="smollm2", prompt="The capital of France is",
-                                                                    max_tokens=16, temperature=0, stream=True)]
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(
+            model="smollm2", prompt="The capital of France is", max_tokens=16, temperature=0, stream=True
+        )
+    ]
     assert "".join(pieces) == text
 
     answer = chat(client, PROMPTS[2])
@@ -93,7 +101,7 @@ def plain_greedy_of():
 def divergence(answer: str, plain, text) -> int | None:
     """The index of plain decoding's first token the answer does not continue with (None: none)."""
     for i in range(plain.tokens.size):
-        if not answer.startswith(text.detokenize_bytes(plain.tokens[:i + 1]).decode("utf-8", errors="ignore")):
+        if not answer.startswith(text.detokenize_bytes(plain.tokens[: i + 1]).decode("utf-8", errors="ignore")):
             return i
     return None
 
@@ -112,15 +120,16 @@ def test_concurrent_requests_equal_each_alone(client, plain_greedy_of):
             if i is not None:
                 # texts compare a token late where a token was split otherwise (" 2" vs " " + "2"):
                 # the tokens diverged at one of the last few the texts still shared
-                gap = float(plain.gaps[max(0, i - 2):i + 1].min())
-                assert gap < NEAR_TIE, f"{prompt!r}: diverges at token {i}, gaps {plain.gaps[max(0, i - 2):i + 1]}"
+                gap = float(plain.gaps[max(0, i - 2) : i + 1].min())
+                assert gap < NEAR_TIE, f"{prompt!r}: diverges at token {i}, gaps {plain.gaps[max(0, i - 2) : i + 1]}"
                 ties.append((prompt[:20], i, round(gap, 3)))
     print(f"\nconcurrent vs alone vs plain greedy: {len(ties)} near-tie divergences {ties}")
 
 
 def test_stop_strings_and_speculation_stats(server):
-    r = post(server, "/v1/completions", {"prompt": "Count: 1, 2, 3, 4,", "max_tokens": 24, "temperature": 0,
-                                         "stop": [" 7"]})
+    r = post(
+        server, "/v1/completions", {"prompt": "Count: 1, 2, 3, 4,", "max_tokens": 24, "temperature": 0, "stop": [" 7"]}
+    )
     body = r.json()
     assert r.status_code == 200 and body["choices"][0]["finish_reason"] == "stop"
     assert " 7" not in body["choices"][0]["text"] and body["choices"][0]["text"].rstrip().endswith("6,")
@@ -128,23 +137,26 @@ def test_stop_strings_and_speculation_stats(server):
     assert spec["rounds"] >= 1 and sum(spec["draft_length_histogram"].values()) == spec["rounds"]
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ('{"messages": [', 400, None),  # malformed JSON
-    ('[1, 2]', 400, None),  # not an object
-    ({"model": "m"}, 400, "messages"),
-    ({"messages": []}, 400, "messages"),
-    ({"messages": [{"role": "user"}]}, 400, "messages.0.content"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.5}, 400, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
-    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
-    ({"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),  # longer than the context
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ('{"messages": [', 400, None),  # malformed JSON
+        ("[1, 2]", 400, None),  # not an object
+        ({"model": "m"}, 400, "messages"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.5}, 400, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
+        ({"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),  # longer than the context
+    ],
+)
 def test_bad_chat_requests_are_4xx_naming_the_field(server, body, status, param):
     r = post(server, "/v1/chat/completions", body, raw=isinstance(body, str))
     assert r.status_code == status, r.text
@@ -153,14 +165,17 @@ def test_bad_chat_requests_are_4xx_naming_the_field(server, body, status, param)
     assert err["param"] == param
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"max_tokens": 4}, "prompt"),
-    ({"prompt": "", "max_tokens": 4}, "prompt"),
-    ({"prompt": [1, 2, 10**9], "max_tokens": 4}, "prompt"),
-    ({"prompt": ["a", "b"], "max_tokens": 4}, "prompt"),
-    ({"prompt": "hi", "seed": -1}, "seed"),
-    ({"prompt": "hi", "top_k": -1}, "top_k"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"max_tokens": 4}, "prompt"),
+        ({"prompt": "", "max_tokens": 4}, "prompt"),
+        ({"prompt": [1, 2, 10**9], "max_tokens": 4}, "prompt"),
+        ({"prompt": ["a", "b"], "max_tokens": 4}, "prompt"),
+        ({"prompt": "hi", "seed": -1}, "seed"),
+        ({"prompt": "hi", "top_k": -1}, "top_k"),
+    ],
+)
 def test_bad_completion_requests_are_400(server, body, param):
     r = post(server, "/v1/completions", body)
     assert r.status_code == 400, r.text
@@ -186,10 +201,19 @@ def wait_idle(server: Server, timeout: float = 20.0) -> None:
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_request(server):
-    body = {"messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
-            "max_tokens": 400, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body,
-                      headers={"authorization": f"Bearer {API_KEY}"}, timeout=60) as r:
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    ) as r:
         lines = 0
         for line in r.iter_lines():
             lines += line.startswith("data:")
@@ -204,8 +228,9 @@ def test_load_200_requests_from_16_clients(server, client):
     its prompt (no other prompt's number in it, and its own number or its answer alone)."""
     numbers = [str(1000 + n * 7919 % 9000) for n in range(1, 11)]
     assert len(set(numbers)) == len(numbers)
-    alone = {n: chat(client, f"Repeat this number exactly: {n}", max_tokens=12).choices[0].message.content
-             for n in numbers}
+    alone = {
+        n: chat(client, f"Repeat this number exactly: {n}", max_tokens=12).choices[0].message.content for n in numbers
+    }
     latencies: list[float] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -230,8 +255,10 @@ def test_load_200_requests_from_16_clients(server, client):
         list(pool.map(one, range(200), timeout=600))
     wall = time.perf_counter() - t0
     lat = np.array(latencies)
-    print(f"\nload: 200 requests, 16 clients, {wall:.1f} s: {len(lat)} answered, p50 {np.median(lat):.2f} s, "
-          f"p99 {np.percentile(lat, 99):.2f} s")
+    print(
+        f"\nload: 200 requests, 16 clients, {wall:.1f} s: {len(lat)} answered, p50 {np.median(lat):.2f} s, "
+        f"p99 {np.percentile(lat, 99):.2f} s"
+    )
     assert not errors, errors[:5]
     assert len(lat) == 200
 
@@ -239,8 +266,12 @@ def test_load_200_requests_from_16_clients(server, client):
 def test_queue_full_is_429_with_retry_after(tmp_path):
     srv = start_server(tmp_path, "--parallel", "1", "--max-queue", "0", "--ctx-size", "512", "--drafter", "none")
     try:
-        body = {"messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
-                "max_tokens": 400, "temperature": 0, "stream": True}
+        body = {
+            "messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
+            "max_tokens": 400,
+            "temperature": 0,
+            "stream": True,
+        }
         with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()  # kept: a dropped iterator closes the stream (the request is cancelled)
             first = next(lines)  # the one sequence is busy now
@@ -259,8 +290,11 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(tmp_path):
     result: dict = {}
 
     def long_request() -> None:
-        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 48,
-                                                              "temperature": 0}, timeout=60)
+        r = httpx.post(
+            srv.base_url + "/v1/completions",
+            json={"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0},
+            timeout=60,
+        )
         result["status"], result["body"] = r.status_code, r.json()
 
     t = threading.Thread(target=long_request)

@@ -38,10 +38,12 @@ def test_device_holds_every_array_and_little_is_sent(cpu, shared_server, where):
         sent.append(up.bytes_sent)
     assert sent[0] == t.nbytes
     assert max(sent[1:]) < t.nbytes // 4  # 9 columns in, 9 out per row
-    for overwrite in (lambda: t.set(np.zeros((64, 1056), np.float32)),  # writes through the binding
-                      lambda: t.set_bytes(np.zeros(16, np.uint8), offset=t.nbytes - 16),
-                      lambda: t.fill(7),
-                      lambda: buf.clear(0)):
+    for overwrite in (
+        lambda: t.set(np.zeros((64, 1056), np.float32)),  # writes through the binding
+        lambda: t.set_bytes(np.zeros(16, np.uint8), offset=t.nbytes - 16),
+        lambda: t.fill(7),
+        lambda: buf.clear(0),
+    ):
         assert up.knows_device
         overwrite()
         assert not up.knows_device

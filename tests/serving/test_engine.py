@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,11 +20,11 @@ from pyggml_dkv.hosts.llama_cpp import LlamaTarget, compare_to_plain, ggml_draft
 from pyggml_dkv.hosts.llama_cpp.batched_target import BatchedLlamaTarget  # noqa: E402
 from pyggml_dkv.hosts.pretrained import smollm2_drafter_path  # noqa: E402
 from pyggml_dkv.serving.calibration import calibrate  # noqa: E402
-from pyggml_dkv.serving.engine import (EngineClosedError, QueueFullError, RequestParams,  # noqa: E402
-                                       SpeculativeEngine)
+from pyggml_dkv.serving.engine import EngineClosedError, QueueFullError, RequestParams, SpeculativeEngine  # noqa: E402
 from pyggml_dkv.serving.policy import CostModel, FixedPolicy, SpeedPolicy  # noqa: E402
-
 from tests.hosts.hosts_helpers import PROMPTS, THREADS, smollm2_path  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
 NEAR_TIE = 0.5
 MAX = 32
@@ -37,8 +38,9 @@ def weights() -> DraftWeights:
 
 @pytest.fixture(scope="module")
 def target(weights: DraftWeights) -> Iterator[BatchedLlamaTarget]:
-    with BatchedLlamaTarget(smollm2_path(), n_parallel=PARALLEL, n_ctx=1024, n_threads=THREADS,
-                            capture_layers=weights.cfg.target_layer_ids) as t:
+    with BatchedLlamaTarget(
+        smollm2_path(), n_parallel=PARALLEL, n_ctx=1024, n_threads=THREADS, capture_layers=weights.cfg.target_layer_ids
+    ) as t:
         yield t
 
 
@@ -66,11 +68,13 @@ def plain() -> Iterator[Callable[[np.ndarray, int], Any]]:
     """plain_greedy of a prompt alone on a single-sequence LlamaTarget (cached)."""
     cache: dict[tuple[tuple[int, ...], int], Any] = {}
     with LlamaTarget(smollm2_path(), n_ctx=512, n_threads=THREADS) as lt:
+
         def get(prompt: np.ndarray, n: int) -> Any:
             key = (tuple(int(t) for t in prompt), n)
             if key not in cache:
                 cache[key] = plain_greedy(lt, prompt, n)
             return cache[key]
+
         yield get
 
 
@@ -95,10 +99,14 @@ def wait_tokens(handle: Any, n: int, timeout: float = 30.0) -> None:
 
 
 @pytest.mark.parametrize("mode", ["no drafter", "7 drafts", "policy"])
-def test_concurrent_greedy_requests_equal_each_alone(target: BatchedLlamaTarget, drafter: Any, costs: CostModel,
-                                                     prompts: list[np.ndarray], plain: Any, mode: str) -> None:
-    kw: dict[str, Any] = {"no drafter": {}, "7 drafts": {"policy": FixedPolicy(7)},
-                          "policy": {"policy": SpeedPolicy(), "cost_model": costs}}[mode]
+def test_concurrent_greedy_requests_equal_each_alone(
+    target: BatchedLlamaTarget, drafter: Any, costs: CostModel, prompts: list[np.ndarray], plain: Any, mode: str
+) -> None:
+    kw: dict[str, Any] = {
+        "no drafter": {},
+        "7 drafts": {"policy": FixedPolicy(7)},
+        "policy": {"policy": SpeedPolicy(), "cost_model": costs},
+    }[mode]
     engine = SpeculativeEngine(target, None if mode == "no drafter" else drafter, **kw)
     try:
         handles = [engine.submit(p, greedy()) for p in prompts]
@@ -120,8 +128,9 @@ def test_concurrent_greedy_requests_equal_each_alone(target: BatchedLlamaTarget,
     assert all(target.n_past_of(s) == 0 for s in range(PARALLEL))  # every sequence freed
 
 
-def test_requests_join_while_others_run(target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray],
-                                        plain: Any) -> None:
+def test_requests_join_while_others_run(
+    target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any
+) -> None:
     with SpeculativeEngine(target, drafter, policy=FixedPolicy(3)) as engine:
         first = engine.submit(prompts[0], greedy(48))
         wait_tokens(first, 4)
@@ -135,8 +144,9 @@ def test_requests_join_while_others_run(target: BatchedLlamaTarget, drafter: Any
     assert results[1].stats.started_at > results[0].stats.first_token_at  # really joined a running batch
 
 
-def test_cancel_frees_the_lane_for_a_later_request(target: BatchedLlamaTarget, drafter: Any,
-                                                   prompts: list[np.ndarray], plain: Any) -> None:
+def test_cancel_frees_the_lane_for_a_later_request(
+    target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any
+) -> None:
     with SpeculativeEngine(target, drafter, parallel=2, max_queue=0, policy=FixedPolicy(3)) as engine:
         a = engine.submit(prompts[0], greedy(200))
         b = engine.submit(prompts[1], greedy(200))
@@ -144,7 +154,7 @@ def test_cancel_frees_the_lane_for_a_later_request(target: BatchedLlamaTarget, d
         assert a.cancel() and not a.cancel()
         assert a.finish_reason == "cancelled" and a.done
         got = list(a)  # iteration ends at once
-        assert got == a.tokens[:len(got)]
+        assert got == a.tokens[: len(got)]
         n_at_cancel = len(a.tokens)
         c = engine.submit(prompts[2], greedy(24))  # the queue takes none: it needs a's lane
         res = c.result(timeout=120)
@@ -175,8 +185,9 @@ def test_a_full_queue_raises(target: BatchedLlamaTarget) -> None:
         engine.submit(prompt, RequestParams(max_tokens=4))
 
 
-def test_max_tokens_and_stop_tokens(target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray],
-                                    plain: Any) -> None:
+def test_max_tokens_and_stop_tokens(
+    target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any
+) -> None:
     ref = plain(prompts[1], MAX).tokens.tolist()
     stop = ref[5]
     cut = ref.index(stop)  # its first occurrence ends the request; the stop token is not emitted
@@ -193,8 +204,9 @@ def test_max_tokens_and_stop_tokens(target: BatchedLlamaTarget, drafter: Any, pr
     assert all(k <= 4 for k in r_len.stats.draft_lengths)  # never drafts past max_tokens
 
 
-def test_draft_length_zero_is_plain_decoding(target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray],
-                                             plain: Any) -> None:
+def test_draft_length_zero_is_plain_decoding(
+    target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any
+) -> None:
     with SpeculativeEngine(target, drafter, policy=FixedPolicy(0)) as engine:
         results = [h.result(timeout=120) for h in [engine.submit(p, greedy()) for p in prompts[:2]]]
     assert engine.stats.draft_steps == 0
@@ -203,15 +215,14 @@ def test_draft_length_zero_is_plain_decoding(target: BatchedLlamaTarget, drafter
         check_plain(res, plain(p, MAX), MAX)
 
 
-def test_sampling_requests_run_with_drafts(target: BatchedLlamaTarget, drafter: Any,
-                                           prompts: list[np.ndarray]) -> None:
+def test_sampling_requests_run_with_drafts(target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray]) -> None:
     params = RequestParams(max_tokens=24, temperature=0.8, top_p=0.95, top_k=40, seed=1)
     with SpeculativeEngine(target, drafter, policy=FixedPolicy(3)) as engine:
         results = [engine.submit(p, params) for p in prompts[:2]] + [engine.submit(prompts[2], greedy(8))]
         results = [h.result(timeout=120) for h in results]
     for res in results:
         assert res.finish_reason in ("length", "stop") and res.tokens.size >= 1
-        assert ((0 <= res.tokens) & (res.tokens < target.n_vocab)).all()
+        assert ((res.tokens >= 0) & (res.tokens < target.n_vocab)).all()
         assert all(0 <= a <= k for a, k in zip(res.stats.accepted, res.stats.draft_lengths))
 
 
@@ -252,7 +263,8 @@ def test_bad_requests_are_refused(target: BatchedLlamaTarget) -> None:
 
 @pytest.mark.parametrize("mode", ["no drafter", "3 drafts"])
 def test_a_prompt_that_continues_an_earlier_request_keeps_its_positions(
-        target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any, mode: str) -> None:
+    target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any, mode: str
+) -> None:
     """A second turn (the first prompt, its answer, a new message) starts on the sequence and lane
     the first left, skipping the prefill of what they hold; its output stays plain greedy's."""
     d = None if mode == "no drafter" else drafter
@@ -287,8 +299,29 @@ def test_a_prompt_that_continues_an_earlier_request_keeps_its_positions(
         assert sum(second.stats.accepted) > 0
 
 
-def test_a_request_cancelled_in_its_prefill_leaves_a_usable_prefix(target: BatchedLlamaTarget, drafter: Any,
-                                                                    prompts: list[np.ndarray], plain: Any) -> None:
+def test_a_speculative_request_takes_the_slot_that_holds_its_prefix_features(
+    target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two free slots hold the same prefix, the lower one from a plain request (no features in its
+    lane): a speculative request continuing that prefix starts on the other, keeping the prefix
+    (the lowest slot would have cost it the whole prefill)."""
+    starts = iter([False, True, True])
+    with SpeculativeEngine(target, drafter, policy=FixedPolicy(3)) as engine:
+        monkeypatch.setattr(engine, "_starts_speculative", lambda: next(starts))
+        handles = [engine.submit(prompts[0], greedy(8)) for _ in range(2)]
+        first_plain, first_spec = (h.result(timeout=120) for h in handles)
+        assert (first_plain.stats.lane, first_spec.stats.lane) == (0, 1)
+        assert not first_plain.stats.speculative and first_spec.stats.speculative
+        prompt = np.concatenate([prompts[0], first_spec.tokens, prompts[1]])
+        second = engine.submit(prompt, greedy()).result(timeout=120)
+    assert second.stats.lane == 1 and second.stats.speculative
+    assert second.stats.cached_tokens == prompts[0].size + first_spec.tokens.size - 1
+    check_plain(second, plain(prompt, MAX), MAX)
+
+
+def test_a_request_cancelled_in_its_prefill_leaves_a_usable_prefix(
+    target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any
+) -> None:
     long_prompt = np.concatenate([prompts[0], prompts[1], prompts[2]])
     with SpeculativeEngine(target, drafter, parallel=1, policy=FixedPolicy(3), prefill_chunk=8) as engine:
         h = engine.submit(long_prompt, greedy())
@@ -335,8 +368,9 @@ def test_a_listener_gets_each_rounds_tokens_in_order_then_the_end() -> None:
 CHI2_DF3_P1E4 = 21.11
 
 
-def test_sampled_requests_follow_the_targets_distribution(target: BatchedLlamaTarget, drafter: Any,
-                                                          prompts: list[np.ndarray]) -> None:
+def test_sampled_requests_follow_the_targets_distribution(
+    target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray]
+) -> None:
     """End to end through the engine: with drafts verified by rejection sampling, the token after
     the first one is distributed as the target's own sampling distribution given the first
     (chi-square over many seeded requests). Wrong rows, lanes or draft distributions would skew it
@@ -368,14 +402,22 @@ def test_sampled_requests_follow_the_targets_distribution(target: BatchedLlamaTa
 
 
 def test_where_drafting_does_not_pay_requests_settle_into_plain_decoding(
-        target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any) -> None:
+    target: BatchedLlamaTarget, drafter: Any, prompts: list[np.ndarray], plain: Any
+) -> None:
     """A request that drafted in under a quarter of its first `give_up_rounds` rounds gives
     drafting up (its rows no longer captured, its lane emptied); once the requests that ran that
     long rarely drafted that often, new ones start plain, but for every `explore_every`-th;
     decodes of plain requests only capture nothing. The output stays plain greedy's throughout."""
     dear = CostModel({1: 0.01, 2: 0.05, 8: 0.4}, {1: 0.05, 2: 0.05, 4: 0.05})  # drafting never pays
-    engine = SpeculativeEngine(target, drafter, parallel=1, policy=SpeedPolicy(probe_every=2), cost_model=dear,
-                               give_up_rounds=8, explore_every=4)
+    engine = SpeculativeEngine(
+        target,
+        drafter,
+        parallel=1,
+        policy=SpeedPolicy(probe_every=2),
+        cost_model=dear,
+        give_up_rounds=8,
+        explore_every=4,
+    )
     try:
         results = [engine.submit(prompts[i % len(prompts)], greedy(16)).result(timeout=120) for i in range(16)]
         started = [r.stats.speculative for r in results]
@@ -385,9 +427,13 @@ def test_where_drafting_does_not_pay_requests_settle_into_plain_decoding(
         counted = [i for i, r in enumerate(results) if r.stats.speculative and r.stats.rounds >= 8]
         assert len(counted) >= 7
         settled = counted[6] + 1
-        assert all(started[:settled]) and started[settled:] == ([False, False, False, True] * 4)[:len(results) - settled]
+        assert (
+            all(started[:settled]) and started[settled:] == ([False, False, False, True] * 4)[: len(results) - settled]
+        )
         assert len(results) - settled >= 4
-        assert all(r.stats.stopped_speculating_at is not None for r in results if r.stats.speculative and r.stats.rounds >= 8)
+        assert all(
+            r.stats.stopped_speculating_at is not None for r in results if r.stats.speculative and r.stats.rounds >= 8
+        )
         assert all(set(r.stats.draft_lengths) == {0} for r, s in zip(results, started) if not s)
         assert engine.stats.plain_decodes > 0
         assert drafter.rings[0].written == 0  # a plain request's lane holds nothing

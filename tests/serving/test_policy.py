@@ -4,16 +4,23 @@ nearly free (memory-bound), more for requests that accept more, within every lim
 
 from __future__ import annotations
 
-import pytest
-
 import itertools
 
 import numpy as np
+import pytest
 
-from pyggml_dkv.serving.policy import (AcceptanceEstimate, CostModel, FixedPolicy, PolicyRequest, SpeedPolicy,
-                                       expected_tokens, graph_lanes, round_cost)
+from pyggml_dkv.serving.policy import (
+    AcceptanceEstimate,
+    CostModel,
+    FixedPolicy,
+    PolicyRequest,
+    SpeedPolicy,
+    expected_tokens,
+    graph_lanes,
+    round_cost,
+)
 
-# SmolLM2-135M on 2 CPU cores (docs/guide.md): verifying k rows costs almost k decodes
+# SmolLM2-135M on 2 CPU cores (docs/llama-cpp.md, "Where drafting pays"): verifying k rows costs almost k decodes
 CPU = CostModel({1: 0.0058, 2: 0.0127, 4: 0.0184, 8: 0.0273, 16: 0.0442, 32: 0.09}, {1: 0.0033, 2: 0.004, 4: 0.005})
 # a memory-bound target: 32 rows cost 1.2 single decodes
 FLAT = CostModel({1: 0.010, 4: 0.0101, 8: 0.0103, 16: 0.0107, 32: 0.012}, {1: 0.002, 2: 0.002, 4: 0.0025})
@@ -32,11 +39,13 @@ def test_drafts_where_rows_are_cheap_and_more_for_better_requests() -> None:
     ks = SpeedPolicy().choose(reqs(0.9, 0.5, 0.2), FLAT, 4, 32)
     assert ks[0] == 7 and ks[0] >= ks[1] >= ks[2]
     # the choice is the best of every split the policy considers
-    best = sum(expected_tokens(r.accept_rate, k) for r, k in zip(reqs(0.9, 0.5, 0.2), ks)) / \
-        round_cost(FLAT, ks, [0, 1, 2], 4)
+    best = sum(expected_tokens(r.accept_rate, k) for r, k in zip(reqs(0.9, 0.5, 0.2), ks)) / round_cost(
+        FLAT, ks, [0, 1, 2], 4
+    )
     for alt in ([0, 0, 0], [7, 7, 7], [7, 0, 0], [1, 1, 1]):
-        speed = sum(expected_tokens(r.accept_rate, k) for r, k in zip(reqs(0.9, 0.5, 0.2), alt)) / \
-            round_cost(FLAT, alt, [0, 1, 2], 4)
+        speed = sum(expected_tokens(r.accept_rate, k) for r, k in zip(reqs(0.9, 0.5, 0.2), alt)) / round_cost(
+            FLAT, alt, [0, 1, 2], 4
+        )
         assert speed <= best + 1e-12
 
 
@@ -48,16 +57,18 @@ def test_the_choice_is_the_best_split(costs: CostModel) -> None:
         rs = [PolicyRequest(float(a), 5, lane) for a, lane in zip(rng.uniform(0.05, 0.99, 3), (0, 1, 3))]
 
         def speed(ks: tuple[int, ...]) -> float:
-            return sum(expected_tokens(r.accept_rate, k) for r, k in zip(rs, ks)) / \
-                round_cost(costs, ks, [r.lane for r in rs], 4)
+            return sum(expected_tokens(r.accept_rate, k) for r, k in zip(rs, ks)) / round_cost(
+                costs, ks, [r.lane for r in rs], 4
+            )
 
         best = max(speed(ks) for ks in itertools.product(range(6), repeat=3))
         assert speed(tuple(SpeedPolicy().choose(rs, costs, 4, 32))) == pytest.approx(best, rel=1e-12)
 
 
 def test_limits_are_kept() -> None:
-    ks = SpeedPolicy().choose([PolicyRequest(0.95, 2, 0), PolicyRequest(0.95, 0, 1), PolicyRequest(0.95, 7, 2)],
-                              FLAT, 4, 32)
+    ks = SpeedPolicy().choose(
+        [PolicyRequest(0.95, 2, 0), PolicyRequest(0.95, 0, 1), PolicyRequest(0.95, 7, 2)], FLAT, 4, 32
+    )
     assert ks[0] <= 2 and ks[1] == 0
     ks = SpeedPolicy().choose(reqs(0.95, 0.95, 0.95, 0.95), FLAT, 4, 10)
     assert 4 + sum(ks) <= 10
@@ -106,8 +117,11 @@ def test_a_slower_machine_slows_every_prediction() -> None:
     assert m.verify_s(2) > 1.5 * 0.018 and m.verify_s(8) > 1.5 * 0.05 and m.draft_s(1) > 1.5 * 0.004
     # a machine twice as slow does not make one draft pay where it did not
     slow = [PolicyRequest(0.5, 7, 0)]
-    assert SpeedPolicy().choose(slow, m, 4, 32) == SpeedPolicy().choose(slow, CostModel({1: 0.01, 2: 0.018, 8: 0.05},
-                                                                                       {1: 0.004}), 4, 32) == [0]
+    assert (
+        SpeedPolicy().choose(slow, m, 4, 32)
+        == SpeedPolicy().choose(slow, CostModel({1: 0.01, 2: 0.018, 8: 0.05}, {1: 0.004}), 4, 32)
+        == [0]
+    )
 
 
 def test_acceptance_estimate_and_graph_lanes() -> None:

@@ -13,9 +13,21 @@ import pytest
 from pyggml_dkv.ggml import Backend, BackendUnavailableError, Buffer, Context, RemoteBackendError, rpc
 
 
-@pytest.mark.parametrize("spec", ["rpc:127.0.0.1:abc", "rpc:127.0.0.1:99999", "rpc:127.0.0.1:50153x",
-                                  "rpc:127.0.0.1:0", "rpc:127.0.0.1", "rpc:", "rpc::5000",
-                                  "rpc:127.0.0.1:+80", "rpc:[::1]:5000", "rpc:127.0.0.1: 80"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "rpc:127.0.0.1:abc",
+        "rpc:127.0.0.1:99999",
+        "rpc:127.0.0.1:50153x",
+        "rpc:127.0.0.1:0",
+        "rpc:127.0.0.1",
+        "rpc:",
+        "rpc::5000",
+        "rpc:127.0.0.1:+80",
+        "rpc:[::1]:5000",
+        "rpc:127.0.0.1: 80",
+    ],
+)
 def test_bad_specs_are_value_errors(spec):
     with pytest.raises(ValueError):
         Backend(spec)

@@ -24,15 +24,24 @@ def trajectory(cfg: DraftConfig, n_steps: int, seed: int = 3):
         yield committed, rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
 
 
-def run(backend: Backend, w: DraftWeights, feats: np.ndarray, dtype: str, n_steps: int, swa: str = "seed",
-        split: list | None = None):
+def run(
+    backend: Backend,
+    w: DraftWeights,
+    feats: np.ndarray,
+    dtype: str,
+    n_steps: int,
+    swa: str = "seed",
+    split: list | None = None,
+):
     cfg = w.cfg
     ring = FeatureRing(2 * CAP, cfg.fc_in)
     outs = []
     # the server's buffers are plain ggml buffers (no AMX / VNNI repacking): the local side keeps
     # its weights plain too, so both run the very same kernels
-    with w.to_backend(backend, dtype, repack=False) as bw, \
-            DraftKvCache(bw, backend, CAP, cache_type="f16", swa=swa) as c:
+    with (
+        w.to_backend(backend, dtype, repack=False) as bw,
+        DraftKvCache(bw, backend, CAP, cache_type="f16", swa=swa) as c,
+    ):
         fold = c.fold_gqa
         if split is not None:
             split.extend(sorted(c.memory.mask_parts))
@@ -61,7 +70,7 @@ def test_rpc_cpu_is_bit_identical_to_local_cpu(cpu, shared_server, dtype):
 def test_logits_over_rpc_are_downloaded(cpu, shared_server):
     """Logits on the server are downloaded (a local CPU cache computes them into the array it returns
     instead, Tensor.place_in): the same values to the bit, a new array every step."""
-    from pyggml_dkv.model.backend_weights import upload_matrix
+    from pyggml_dkv.drafter.backend_weights import upload_matrix
 
     cfg = DraftConfig.toy()
     w = DraftWeights.random(cfg, seed=1)
@@ -241,8 +250,18 @@ def test_lanes_over_rpc_are_bit_identical_to_local_lanes(cpu, shared_server, swa
     """Lanes on an RPC server (split masks: a context row and a base per lane plane; each lane's
     inputs uploaded through its own views): bit for bit the local CPU's lanes, with lanes idling,
     rewinding and resetting on the way."""
-    cfg = DraftConfig(hidden=64, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=96, block_size=4,
-                      n_target_layers=2, layer_types=["full", "sliding"], swa_window=6)
+    cfg = DraftConfig(
+        hidden=64,
+        n_layer=2,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=32,
+        ffn=96,
+        block_size=4,
+        n_target_layers=2,
+        layer_types=["full", "sliding"],
+        swa_window=6,
+    )
     w = DraftWeights.random(cfg, seed=4)
     rng = np.random.default_rng(5)
     feats = [rng.standard_normal((300, cfg.fc_in)).astype(np.float32) * 10.0 ** (lane - 1) for lane in range(3)]
@@ -261,18 +280,24 @@ def test_lanes_over_rpc_are_bit_identical_to_local_lanes(cpu, shared_server, swa
     def run_lanes(backend: Backend) -> list:
         outs = []
         rings = [FeatureRing(2 * CAP, cfg.fc_in) for _ in range(3)]
-        with w.to_backend(backend, "f16", repack=False) as bw, \
-                DraftKvCache(bw, backend, CAP, cache_type="f16", swa=swa, lanes=3) as c:
+        with (
+            w.to_backend(backend, "f16", repack=False) as bw,
+            DraftKvCache(bw, backend, CAP, cache_type="f16", swa=swa, lanes=3) as c,
+        ):
             for active, com, noise, reset in plan:
                 if reset is not None:
                     c.reset(reset)
                 for lane in range(3):
                     if active[lane]:
-                        rings[lane].write(min(rings[lane].written, com[lane]),
-                                          feats[lane][min(rings[lane].written, com[lane]):com[lane]])
-                got = c.step([r if a else None for r, a in zip(rings, active)],
-                             [x if a else None for x, a in zip(com, active)],
-                             [n if a else None for n, a in zip(noise, active)])
+                        rings[lane].write(
+                            min(rings[lane].written, com[lane]),
+                            feats[lane][min(rings[lane].written, com[lane]) : com[lane]],
+                        )
+                got = c.step(
+                    [r if a else None for r, a in zip(rings, active)],
+                    [x if a else None for x, a in zip(com, active)],
+                    [n if a else None for n, a in zip(noise, active)],
+                )
                 outs.append([None if g is None else g.copy() for g in got])
             split = sorted(c.memory.mask_parts)
         return outs, split
@@ -285,3 +310,45 @@ def test_lanes_over_rpc_are_bit_identical_to_local_lanes(cpu, shared_server, swa
         for lane in range(3):
             assert (a[lane] is None) == (b[lane] is None)
             assert a[lane] is None or np.array_equal(a[lane], b[lane]), f"step {step} lane {lane} differs"
+
+
+def test_dflash2_over_rpc_equals_local_cpu(cpu, shared_server):
+    """A DFlash-2 drafter on an RPC server: its convolutions are built from ggml's standard ops
+    there (a custom op cannot travel), the local CPU runs the custom op; hidden states, the
+    selector's lattice and its walk's ids are bit for bit the local ones (both sum the taps in
+    the same order, with the same roundings)."""
+    cfg = DraftConfig.toy(
+        vocab=200, block_size=8, conv_kernel_size=3, conv_group_size=32, selector_rank=32, selector_top_k=4
+    )
+    w = DraftWeights.random(cfg, seed=3)
+    rng = np.random.default_rng(3)
+    embed = (rng.standard_normal((200, cfg.hidden)) * 0.5).astype(np.float32)
+    head = (rng.standard_normal((200, cfg.hidden)) / np.sqrt(cfg.hidden) * 4).astype(np.float32)
+    feats = rng.standard_normal((200, cfg.fc_in)).astype(np.float32)
+    tokens = rng.integers(0, 200, size=(30, cfg.block_size)).astype(np.int32)
+
+    def run_tokens(backend: Backend) -> list:
+        out = []
+        with (
+            w.to_backend(backend, "f32", repack=False) as bw,
+            DraftKvCache(bw, backend, CAP, cache_type="f32", lm_head=head, embed_tokens=embed) as c,
+        ):
+            ring = FeatureRing(2 * CAP, cfg.fc_in)
+            written = 0
+            for (committed, _), toks in zip(trajectory(cfg, len(tokens)), tokens):
+                ring.append(feats[written:committed])
+                written = committed
+                ids = c.step_tokens(ring, committed, toks, output="ids")[1:].copy()
+                hidden = c.hidden_states.numpy().copy()
+                lattice = c.step_tokens(ring, committed, toks, output="lattice")
+                out.append((ids, hidden, lattice))
+        return out
+
+    local = run_tokens(cpu)
+    with Backend(shared_server.spec) as remote:
+        over_rpc = run_tokens(remote)
+    for step, ((ids_a, h_a, lat_a), (ids_b, h_b, lat_b)) in enumerate(zip(local, over_rpc)):
+        np.testing.assert_array_equal(ids_a, ids_b, err_msg=f"step {step}")
+        np.testing.assert_array_equal(h_b, h_a, err_msg=f"step {step}")
+        np.testing.assert_array_equal(lat_a.candidates, lat_b.candidates)
+        np.testing.assert_array_equal(lat_b.scores, lat_a.scores)

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pyggml_dkv.serving import RpcServerProcess
-from pyggml_dkv.serving import rpc_server
+from pyggml_dkv.serving import RpcServerProcess, rpc_server
 
 
 def test_server_runs_with_a_passive_wait_policy(server):
@@ -52,16 +51,22 @@ def test_suspend_returns_stopped_or_raises(free_port):
 
 
 def test_port_in_use_is_a_clean_failure(server):
-    out = subprocess.run([sys.executable, "-m", "pyggml_dkv.serving.rpc_server", "--port", str(server.port)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "pyggml_dkv.serving.rpc_server", "--port", str(server.port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "could not bind" in out.stderr
 
 
-@pytest.mark.parametrize("args", [["--host", "localhost"], ["--host", "::1"], ["--port", "70000"],
-                                  ["--threads", "0"], ["--device", "gpu"]])
+@pytest.mark.parametrize(
+    "args", [["--host", "localhost"], ["--host", "::1"], ["--port", "70000"], ["--threads", "0"], ["--device", "gpu"]]
+)
 def test_bad_arguments_exit_2_without_a_traceback(args):
-    out = subprocess.run([sys.executable, "-m", "pyggml_dkv.serving.rpc_server", *args],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "pyggml_dkv.serving.rpc_server", *args], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
 
 

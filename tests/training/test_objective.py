@@ -15,8 +15,15 @@ pytest.importorskip("dflash", reason="training uses the dflash package's model c
 
 from pyggml_dkv import DraftConfig, DraftWeights, reference  # noqa: E402
 from pyggml_dkv.training.model import load_weights, new_model, to_draft_weights, unpermute_llama_qk  # noqa: E402
-from pyggml_dkv.training.objective import (Frozen, accepted_lengths, anchor_range, block_labels,  # noqa: E402
-                                           draft_hidden, sequence_loss, simulated_rounds)
+from pyggml_dkv.training.objective import (  # noqa: E402
+    Frozen,
+    accepted_lengths,
+    anchor_range,
+    block_labels,
+    draft_hidden,
+    sequence_loss,
+    simulated_rounds,
+)
 
 VOCAB = 300
 CFG = DraftConfig.toy(block_size=6, mask_token_id=5, vocab=VOCAB, target_layer_ids=[0, 1, 2], rope_theta=10000.0)
@@ -83,7 +90,7 @@ def test_accepted_lengths_and_replayed_rounds():
     tokens = np.arange(100, 112)
     greedy = np.ones(12, bool)
     anchors = anchor_range(12, 2)  # 2 .. 10
-    drafts = np.stack([tokens[p + 1:p + 4] if p + 4 <= 12 else np.full(3, -1) for p in anchors])
+    drafts = np.stack([tokens[p + 1 : p + 4] if p + 4 <= 12 else np.full(3, -1) for p in anchors])
     drafts[1, 1] = 0  # anchor 3: first right, second wrong
     acc = accepted_lengths(drafts, tokens, greedy, anchors)
     assert acc[0] == 3 and acc[1] == 1
@@ -133,10 +140,11 @@ def test_feature_scaling_is_a_reparametrisation_the_saved_drafter_does_not_see()
     assert torch.allclose(model.fc.weight, raw / torch.from_numpy(scale))
 
 
+@pytest.mark.slow  # reads SmolLM2's GGUF
 def test_init_from_target_copies_the_target_layers_in_the_drafter_s_layout():
     pytest.importorskip("gguf", reason="reading the target GGUF needs the gguf package")
-    from pyggml_dkv.hosts.llama_cpp.gguf import GGUFFile
     from pyggml_dkv.hosts.llama_cpp import smollm2_draft_config
+    from pyggml_dkv.hosts.llama_cpp.gguf import GGUFFile
     from pyggml_dkv.training.model import init_from_target
     from tests.hosts.hosts_helpers import smollm2_path
 
@@ -146,10 +154,12 @@ def test_init_from_target_copies_the_target_layers_in_the_drafter_s_layout():
     init_from_target(model, cfg, gguf, [28, 29])
     w = to_draft_weights(model, cfg)
     np.testing.assert_array_equal(w["layers.1.mlp.up_proj.weight"], gguf.array("blk.29.ffn_up.weight"))
-    np.testing.assert_array_equal(w["layers.0.self_attn.q_proj.weight"],
-                                  unpermute_llama_qk(gguf.array("blk.28.attn_q.weight"), cfg.n_head))
-    np.testing.assert_array_equal(w["layers.0.self_attn.k_proj.weight"],
-                                  unpermute_llama_qk(gguf.array("blk.28.attn_k.weight"), cfg.n_head_kv))
+    np.testing.assert_array_equal(
+        w["layers.0.self_attn.q_proj.weight"], unpermute_llama_qk(gguf.array("blk.28.attn_q.weight"), cfg.n_head)
+    )
+    np.testing.assert_array_equal(
+        w["layers.0.self_attn.k_proj.weight"], unpermute_llama_qk(gguf.array("blk.28.attn_k.weight"), cfg.n_head_kv)
+    )
     np.testing.assert_array_equal(w["norm.weight"], gguf.array("output_norm.weight"))
     np.testing.assert_array_equal(w["layers.0.self_attn.q_norm.weight"], np.ones(cfg.head_dim, np.float32))
     with pytest.raises(ValueError, match="one target layer per drafter layer"):

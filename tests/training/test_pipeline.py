@@ -17,15 +17,17 @@ pytest.importorskip("llama_cpp", reason="data generation runs the target through
 torch = pytest.importorskip("torch", reason="training needs torch (pip install -e '.[torch]')")
 pytest.importorskip("dflash", reason="training uses the dflash package's model class")
 
+from pyggml_dkv import DraftWeights  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp import SMOLLM2_LAYER_IDS, LlamaTarget, smollm2_draft_config  # noqa: E402
+from pyggml_dkv.training.config import TrainConfig  # noqa: E402
 from pyggml_dkv.training.data import DataRecipe, generate, load_corpus  # noqa: E402
 from pyggml_dkv.training.evaluate import offline_acceptance  # noqa: E402
 from pyggml_dkv.training.model import load_weights, new_model  # noqa: E402
 from pyggml_dkv.training.prompts import HELD_OUT_PROMPTS, training_prompts  # noqa: E402
-from pyggml_dkv.training.train import TrainConfig, frozen_from_gguf, train  # noqa: E402
-from pyggml_dkv import DraftWeights  # noqa: E402
-
+from pyggml_dkv.training.train import frozen_from_gguf, train  # noqa: E402
 from tests.hosts.hosts_helpers import THREADS, smollm2_path  # noqa: E402
+
+pytestmark = pytest.mark.slow  # generates data through llama.cpp and trains: the slow tier
 
 N_PROMPTS = 16
 MAX_NEW = 40
@@ -34,8 +36,9 @@ MAX_NEW = 40
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
-    recipe = DataRecipe(model=str(smollm2_path()), layer_ids=list(SMOLLM2_LAYER_IDS), max_new_tokens=MAX_NEW,
-                        shard_sequences=8)
+    recipe = DataRecipe(
+        model=str(smollm2_path()), layer_ids=list(SMOLLM2_LAYER_IDS), max_new_tokens=MAX_NEW, shard_sequences=8
+    )
     counts = generate(out, training_prompts()[:N_PROMPTS], recipe, kinds=("greedy", "warm"), n_threads=THREADS)
     assert counts["sequences"] == 2 * N_PROMPTS
     return out, recipe
@@ -68,7 +71,7 @@ def test_shards_hold_what_the_host_captures_with_honest_greedy_flags(data_dir):
             err = np.abs(t.capture.features() - feats).max() / np.abs(feats).max()
             assert err < 1e-2, err
             t.clear()
-    warm = corpus.greedy[corpus.starts[N_PROMPTS]:]
+    warm = corpus.greedy[corpus.starts[N_PROMPTS] :]
     assert warm.sum() < warm.size  # the warm kind samples some tokens
 
 
@@ -83,9 +86,20 @@ def test_generation_resumes_and_refuses_another_recipe(data_dir):
 
 def tiny_run(data, out, **changes) -> TrainConfig:
     draft = smollm2_draft_config(n_layer=1, block_size=6, mask_token_id=16).to_dict()
-    fields = dict(data=[str(data)], out=str(out), model=str(smollm2_path()), draft=draft, epochs=12.0,
-                  seqs_per_step=4, anchors_per_seq=16, lr=2e-3, warmup_steps=5, threads=THREADS, log_every=4,
-                  save_every=1000)
+    fields = dict(
+        data=[str(data)],
+        out=str(out),
+        model=str(smollm2_path()),
+        draft=draft,
+        epochs=12.0,
+        seqs_per_step=4,
+        anchors_per_seq=16,
+        lr=2e-3,
+        warmup_steps=5,
+        threads=THREADS,
+        log_every=4,
+        save_every=1000,
+    )
     fields.update(changes)
     return TrainConfig(**fields)
 
@@ -130,11 +144,34 @@ def test_the_command_line_generates_trains_evaluates_and_exports(tmp_path, capsy
 
     data, run, gguf = tmp_path / "data", tmp_path / "run", tmp_path / "d.gguf"
     common = ["--model", str(smollm2_path()), "--threads", str(THREADS)]
-    assert main(["generate", "--out", str(data), "--prompts", "2", "--max-new-tokens", "8", "--kinds", "greedy",
-                 *common]) == 0
+    assert (
+        main(["generate", "--out", str(data), "--prompts", "2", "--max-new-tokens", "8", "--kinds", "greedy", *common])
+        == 0
+    )
     assert json.loads((data / "data.json").read_text())["recipe"]["prompt_set"] == "training"
-    assert main(["train", "--data", str(data), "--out", str(run), "--layers", "1", "--seqs-per-step", "2",
-                 "--epochs", "2", "--warmup", "1", "--save-every", "1", *common]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(data),
+                "--out",
+                str(run),
+                "--layers",
+                "1",
+                "--seqs-per-step",
+                "2",
+                "--epochs",
+                "2",
+                "--warmup",
+                "1",
+                "--save-every",
+                "1",
+                *common,
+            ]
+        )
+        == 0
+    )
     assert main(["export", "--drafter", str(run / "drafter"), "--out", str(gguf), "--model", str(smollm2_path())]) == 0
     capsys.readouterr()
     assert main(["evaluate", "--drafter", str(gguf), "--data", str(data), "--model", str(smollm2_path())]) == 0

@@ -37,8 +37,9 @@ def target_probs(target_logits: np.ndarray, temperature: float, top_k: int = 0, 
     return sampling_probs(target_logits, temperature, top_k, top_p)
 
 
-def accept_sampled(draft: np.ndarray, draft_probs: np.ndarray, p: np.ndarray,
-                   rng: np.random.Generator) -> tuple[int, np.ndarray]:
+def accept_sampled(
+    draft: np.ndarray, draft_probs: np.ndarray, p: np.ndarray, rng: np.random.Generator
+) -> tuple[int, np.ndarray]:
     """draft (k,), draft_probs (k, vocab) = q, p (k + 1, vocab) the target's distributions.
 
     Returns (n_accepted, emitted): n_accepted drafts then one corrected or bonus token."""

@@ -30,9 +30,11 @@ from ...ggml.capabilities import cpu_flags
 log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 32  # llama.cpp's AMX path takes batches; a decode of 32 rows reaches it
-INSTALL_HINT = ("bash scripts/install_llama_cpp.sh from pyggml_dkv's source tree, or by hand: CMAKE_ARGS="
-                "'-DCMAKE_C_FLAGS=-fno-dse -DCMAKE_CXX_FLAGS=-fno-dse' pip install --no-cache-dir --force-reinstall "
-                "llama-cpp-python==0.3.36")
+INSTALL_HINT = (
+    "bash scripts/install_llama_cpp.sh from pyggml_dkv's source tree, or by hand: CMAKE_ARGS="
+    "'-DCMAKE_C_FLAGS=-fno-dse -DCMAKE_CXX_FLAGS=-fno-dse' pip install --no-cache-dir --force-reinstall "
+    "llama-cpp-python==0.3.36"
+)
 _verdicts: dict[str, bool] = {}
 
 
@@ -90,8 +92,9 @@ def probe(model_path: Path, timeout: float = 300) -> bool:
     if proc.returncode == -signal.SIGILL:
         return False
     if proc.returncode != 0:
-        log.debug("llama.cpp AMX probe of %s exited %d (not SIGILL): %s", model_path, proc.returncode,
-                  proc.stderr[-1000:])
+        log.debug(
+            "llama.cpp AMX probe of %s exited %d (not SIGILL): %s", model_path, proc.returncode, proc.stderr[-1000:]
+        )
     return True
 
 
@@ -125,9 +128,13 @@ def model_params(model_path: str | os.PathLike) -> Any:
 
     params = llama_cpp.llama_model_default_params()
     if not amx_kernels_work(model_path):
-        log.warning("llama.cpp's AMX kernels die of SIGILL in this llama-cpp-python build (GCC 12 dropped its tile "
-                    "configuration); loading %s without llama.cpp's extra buffer types (no AMX, no repacking). "
-                    "Fix: %s", Path(model_path).name, INSTALL_HINT)
+        log.warning(
+            "llama.cpp's AMX kernels die of SIGILL in this llama-cpp-python build (GCC 12 dropped its tile "
+            "configuration); loading %s without llama.cpp's extra buffer types (no AMX, no repacking). "
+            "Fix: %s",
+            Path(model_path).name,
+            INSTALL_HINT,
+        )
         params.use_extra_bufts = False
     return params
 

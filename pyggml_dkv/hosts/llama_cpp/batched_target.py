@@ -35,7 +35,7 @@ unified, every divergence at a near-tie (top-2 gap < 0.5). The unified cache is 
 because its cost depends on the number of rows only, which is what the engine's draft-length
 policy models.
 
-The vocabulary and lifecycle methods are `LlamaTarget`'s own. The verification rule (greedy
+The vocabulary and lifecycle methods are `LlamaTarget`'s (their shared base, target.py). The verification rule (greedy
 acceptance, rejection sampling, the target's sampling distribution) is exposed on the class for
 engines in layers that may not import the hosts layer (`pyggml_dkv.serving.engine`).
 """
@@ -45,12 +45,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
-
-import numpy as np
+from typing import Any
 
 import llama_cpp
+import numpy as np
 
 from ...common.checks import is_int
 from ...ggml.capabilities import load_ggml_matmul_tiles
@@ -59,7 +59,7 @@ from .capture import FeatureCapture, make_capture
 from .drafters import check_fits_target
 from .errors import HostError
 from .sampling import draw
-from .target import LlamaTarget
+from .target import _LlamaModel
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class BlockRows:
     logits: np.ndarray | None
 
 
-class BatchedLlamaTarget:
+class BatchedLlamaTarget(_LlamaModel):
     """A llama.cpp target with `n_parallel` sequences: multi-sequence decode, logits of chosen
     rows, features of every row, per-sequence KV removal.
 
@@ -97,19 +97,6 @@ class BatchedLlamaTarget:
     capture: "auto" | "native" | "callback" (capture.py; "callback" needs kv_unified=True).
     n_ctx: total KV cells; each sequence holds at most `n_ctx_seq` positions.
     """
-
-    # vocabulary and lifecycle: LlamaTarget's methods (they use vocab_ptr, _model, _ctx, _batch only)
-    closed = LlamaTarget.closed
-    _check_open = LlamaTarget._check_open
-    close = LlamaTarget.close
-    _load_model = LlamaTarget._load_model
-    _init_context = LlamaTarget._init_context
-    __del__ = LlamaTarget.__del__
-    tokenize = LlamaTarget.tokenize
-    piece = LlamaTarget.piece
-    detokenize = LlamaTarget.detokenize
-    is_eog = LlamaTarget.is_eog
-    chat_prompt = LlamaTarget.chat_prompt
 
     # the host's verification rule (hosts/llama_cpp/acceptance.py, sampling.py), for engines that
     # drive this target from a layer that may not import the hosts layer
@@ -136,8 +123,12 @@ class BatchedLlamaTarget:
         self._model: Any = None
         self._ctx: Any = None
         self._batch: Any = None
-        for name, value, lo in (("n_parallel", n_parallel, 1), ("n_ctx", n_ctx, 1), ("n_batch", n_batch, 1),
-                                ("n_threads", n_threads, 1)):
+        for name, value, lo in (
+            ("n_parallel", n_parallel, 1),
+            ("n_ctx", n_ctx, 1),
+            ("n_batch", n_batch, 1),
+            ("n_threads", n_threads, 1),
+        ):
             if not is_int(value) or value < lo:
                 raise HostError(f"{name} must be an int >= {lo}, got {value!r}")
         if n_parallel > LLAMA_MAX_SEQ:
@@ -153,8 +144,10 @@ class BatchedLlamaTarget:
             self.capture = make_capture(capture, capture_layers, self.n_embd, self.n_layer, n_batch)
             if self.capture.route == "callback" and not self.kv_unified:
                 self.close()
-                raise HostError("the callback capture route copies features ubatch by ubatch, which follows "
-                                "the batch's row order only with kv_unified=True")
+                raise HostError(
+                    "the callback capture route copies features ubatch by ubatch, which follows "
+                    "the batch's row order only with kv_unified=True"
+                )
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
@@ -183,7 +176,7 @@ class BatchedLlamaTarget:
         self.decode_seconds = 0.0
         self.decodes = 0
 
-    def __enter__(self) -> "BatchedLlamaTarget":
+    def __enter__(self) -> BatchedLlamaTarget:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -235,9 +228,14 @@ class BatchedLlamaTarget:
 
     # --- decoding --------------------------------------------------------------------------
 
-    def decode(self, tokens: Sequence[int] | np.ndarray, seq_ids: Sequence[int] | np.ndarray,
-               positions: Sequence[int] | np.ndarray | None = None,
-               logits: Sequence[bool] | np.ndarray | None = None, capture: bool = True) -> np.ndarray | None:
+    def decode(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        seq_ids: Sequence[int] | np.ndarray,
+        positions: Sequence[int] | np.ndarray | None = None,
+        logits: Sequence[bool] | np.ndarray | None = None,
+        capture: bool = True,
+    ) -> np.ndarray | None:
         """One llama_decode of n rows: row i is token `tokens[i]` of sequence `seq_ids[i]` at
         `positions[i]` (default: each sequence's next positions, in row order), with logits when
         `logits[i]` (default: none). Each sequence's positions must continue its cache,
@@ -279,11 +277,15 @@ class BatchedLlamaTarget:
             if bad.size:
                 i = int(bad[0])
                 s = int(seqs[i])
-                raise HostError(f"row {i}: sequence {s} must continue at position {int(expected[i])}, got {int(pos[i])} "
-                                f"(llama.cpp needs each sequence's positions to follow its cache, consecutive in row order)")
+                raise HostError(
+                    f"row {i}: sequence {s} must continue at position {int(expected[i])}, got {int(pos[i])} "
+                    f"(llama.cpp needs each sequence's positions to follow its cache, consecutive in row order)"
+                )
         for s, c in counts.items():
             if self._n_past[s] + c > self.n_ctx_seq:
-                raise HostError(f"sequence {s}: {c} rows at position {self._n_past[s]} exceed its {self.n_ctx_seq} positions")
+                raise HostError(
+                    f"sequence {s}: {c} rows at position {self._n_past[s]} exceed its {self.n_ctx_seq} positions"
+                )
         cap = self.capture
         if cap is not None:
             cap.set_enabled(capture)
@@ -364,7 +366,7 @@ class BatchedLlamaTarget:
         o = 0
         for s, st, n, p, lg in placed:
             k = n if lg == "all" else 1 if lg == "last" else 0
-            rows.append(BlockRows(s, st, n, p, None if k == 0 or out is None else out[o:o + k]))
+            rows.append(BlockRows(s, st, n, p, None if k == 0 or out is None else out[o : o + k]))
             o += k
         return rows
 

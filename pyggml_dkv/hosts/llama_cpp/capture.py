@@ -5,7 +5,7 @@ The drafter's feature for target layer i is the OUTPUT of decoder layer i (HF
 `l_out-i` and also llama.cpp's INPUT of layer i + 1. Features of one token are the captured
 layers concatenated in `layer_ids` order: a row of `fc_in = len(layer_ids) * hidden`.
 
-Two routes, chosen by measurement (docs/guide.md, tests/hosts/test_capture.py):
+Two routes, chosen by measurement (docs/llama-cpp.md, "Capturing the target's features"; tests/hosts/test_capture.py):
 
 - `NativeCapture`: llama.cpp's own extraction for its native DFlash
   (`llama_set_embeddings_layer_inp(ctx, i + 1, true)`): llama.cpp copies the layer inputs of every
@@ -26,11 +26,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from typing import Sequence
-
-import numpy as np
+from collections.abc import Sequence
 
 import llama_cpp
+import numpy as np
 
 from .errors import HostError
 from .lowlevel import TENSOR_NE_OFFSET, libggml, native_layer_inp
@@ -49,8 +48,9 @@ class FeatureCapture:
             raise HostError("capture needs at least one target layer id")
         bad = [i for i in ids if not 0 <= i < n_layer]
         if bad:
-            raise HostError(f"target layer ids {bad} are out of range for a target with {n_layer} layers "
-                            f"(valid: 0..{n_layer - 1})")
+            raise HostError(
+                f"target layer ids {bad} are out of range for a target with {n_layer} layers (valid: 0..{n_layer - 1})"
+            )
         if len(set(ids)) != len(ids):
             raise HostError(f"target layer ids must be distinct, got {ids}")
         self.layer_ids = tuple(ids)
@@ -83,7 +83,7 @@ class FeatureCapture:
         n = self.rows - start if n is None else n
         if start < 0 or n < 0 or start + n > self.rows:
             raise HostError(f"rows [{start}, {start + n}) were not captured (last decode: {self.rows} rows)")
-        return self._buf[start:start + n].reshape(n, self.fc_in)
+        return self._buf[start : start + n].reshape(n, self.fc_in)
 
     def attach(self, ctx: int) -> None:
         """Called once the llama context exists."""
@@ -142,7 +142,7 @@ class CallbackCapture(FeatureCapture):
                 raise HostError(f"unexpected l_out tensor: {ne0} x {ne1} at row {r0}")
             dst = self._stage[:ne1]
             self._ggml.ggml_backend_tensor_get(t, dst.ctypes.data, 0, ne0 * ne1 * 4)
-            self._buf[r0:r0 + ne1, slot] = dst
+            self._buf[r0 : r0 + ne1, slot] = dst
             self._cursor[slot] = r0 + ne1
             self.seconds += time.perf_counter() - t0
         except BaseException as exc:  # never let an exception unwind through C
@@ -172,8 +172,10 @@ class NativeCapture(FeatureCapture):
         if fns is None:
             raise HostError("this libllama does not export llama_set/get_embeddings_layer_inp; use the callback route")
         if n_layer - 1 in self.layer_ids:
-            raise HostError(f"the native route cannot capture the last layer ({n_layer - 1}): "
-                            "llama.cpp has no layer input n_layer; use the callback route")
+            raise HostError(
+                f"the native route cannot capture the last layer ({n_layer - 1}): "
+                "llama.cpp has no layer input n_layer; use the callback route"
+            )
         self._fns = fns
         self._ctx: int | None = None
 

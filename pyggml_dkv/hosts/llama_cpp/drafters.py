@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from ... import reference
 from ...model.config import DraftConfig
 from ...model.weights import DraftWeights
+
 # the SmolLM2 drafter shape lives beside the model's download (hosts/smollm2.py), free of ggml and
 # llama.cpp so that a GPU training machine reads it without either; re-exported here
 from ..smollm2 import SMOLLM2_LAYER_IDS, smollm2_draft_config  # noqa: F401
@@ -42,11 +44,20 @@ class DraftSource(Protocol):
     def add_features(self, rows: Any) -> None: ...
     def rewind(self, n_committed: int) -> None: ...
     def reset(self) -> None: ...
-    def propose(self, last_token: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                rng: np.random.Generator | None = None) -> Any: ...
+    def propose(
+        self,
+        last_token: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        rng: np.random.Generator | None = None,
+    ) -> Any: ...
 
 
-def check_fits(cfg: DraftConfig, vocab: int, *, n_embd: int, n_layer: int, n_vocab: int, where: str = "the target") -> None:
+def check_fits(
+    cfg: DraftConfig, vocab: int, *, n_embd: int, n_layer: int, n_vocab: int, where: str = "the target"
+) -> None:
     """Raise IncompatibleDrafterError unless a drafter (cfg, vocab) fits a target of this shape."""
     ids = list(cfg.target_layer_ids)
     if not ids:
@@ -74,8 +85,10 @@ def check_fits_target(target: Any, drafter: Any, target_kind: str) -> None:
     cap = target.capture
     if cap is None or list(cap.layer_ids) != list(cfg.target_layer_ids):
         have = None if cap is None else list(cap.layer_ids)
-        raise HostError(f"the target must capture the drafter's layers {list(cfg.target_layer_ids)} "
-                        f"({target_kind}(capture_layers=...)), it captures {have}")
+        raise HostError(
+            f"the target must capture the drafter's layers {list(cfg.target_layer_ids)} "
+            f"({target_kind}(capture_layers=...)), it captures {have}"
+        )
     if target.n_batch < cfg.block_size:
         raise HostError(f"n_batch {target.n_batch} is smaller than the drafter's block size {cfg.block_size}")
 
@@ -99,12 +112,13 @@ def target_embeddings(gguf: GGUFFile) -> tuple[np.ndarray, np.ndarray]:
     return embed, head
 
 
-def ggml_drafter(weights: DraftWeights, gguf_path: str, **drafter_kwargs: Any) -> Any:
-    """A `pyggml_dkv.Drafter` for the target in `gguf_path` (its token embedding and lm_head).
-    Runs on our private ggml, beside llama.cpp's in the same process."""
+def ggml_drafter(weights: DraftWeights, gguf_path: str | GGUFFile, **drafter_kwargs: Any) -> Any:
+    """A `pyggml_dkv.Drafter` for the target in `gguf_path` (its token embedding and lm_head; an
+    open GGUFFile saves reading the file's metadata again). Runs on our private ggml, beside
+    llama.cpp's in the same process."""
     from ...drafter.drafter import Drafter
 
-    gguf = GGUFFile(gguf_path)
+    gguf = gguf_path if isinstance(gguf_path, GGUFFile) else GGUFFile(gguf_path)
     embed, head = target_embeddings(gguf)
     check_fits_gguf(weights.cfg, head.shape[0], gguf)
     return Drafter(weights, embed_tokens=embed, lm_head=head, **drafter_kwargs)
@@ -112,8 +126,11 @@ def ggml_drafter(weights: DraftWeights, gguf_path: str, **drafter_kwargs: Any) -
 
 def random_smollm2_weights(seed: int = 0, **changes: Any) -> DraftWeights:
     """Random drafter weights of the SmolLM2 drafter shape (no trained drafter ships yet)."""
-    warnings.warn("using a drafter with RANDOM weights: drafts will almost always be rejected "
-                  "(the output stays lossless; only the speed-up is missing)", stacklevel=2)
+    warnings.warn(
+        "using a drafter with RANDOM weights: drafts will almost always be rejected "
+        "(the output stays lossless; only the speed-up is missing)",
+        stacklevel=2,
+    )
     return DraftWeights.random(smollm2_draft_config(**changes), seed=seed)
 
 
@@ -133,7 +150,7 @@ class _FeatureCounter:
     @property
     def features(self) -> np.ndarray:
         """Every committed row, (committed, fc_in)."""
-        return self._feats[:self._n]
+        return self._feats[: self._n]
 
     def add_features(self, rows: Any) -> None:
         arr = np.asarray(rows, dtype=np.float32)
@@ -143,9 +160,9 @@ class _FeatureCounter:
             raise ValueError("feature rows contain NaN or inf")
         if self._n + arr.shape[0] > self._feats.shape[0]:
             grown = np.zeros((max(2 * self._feats.shape[0], self._n + arr.shape[0]), self.cfg.fc_in), np.float32)
-            grown[:self._n] = self._feats[:self._n]
+            grown[: self._n] = self._feats[: self._n]
             self._feats = grown
-        self._feats[self._n:self._n + arr.shape[0]] = arr
+        self._feats[self._n : self._n + arr.shape[0]] = arr
         self._n += arr.shape[0]
 
     def rewind(self, n_committed: int) -> None:
@@ -174,8 +191,15 @@ class OracleDrafter(_FeatureCounter):
     def _wrong(self, token: int) -> int:
         return (int(token) + 1) % self.vocab
 
-    def propose(self, last_token: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                rng: np.random.Generator | None = None) -> Any:
+    def propose(
+        self,
+        last_token: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        rng: np.random.Generator | None = None,
+    ) -> Any:
         k = self.cfg.block_size - 1
         pos = self.committed  # position of last_token
         ref = self.reference
@@ -188,7 +212,7 @@ class OracleDrafter(_FeatureCounter):
         cut = self._cycle.pop(fits[0]) if fits else avail
         self.lengths.append(cut)
         draft = np.empty(k, dtype=np.int64)
-        draft[:cut] = ref[pos + 1:pos + 1 + cut]
+        draft[:cut] = ref[pos + 1 : pos + 1 + cut]
         for j in range(cut, k):
             follow = ref[pos + 1 + j] if on_track and pos + 1 + j < ref.size else draft[j - 1] if j else last_token
             draft[j] = self._wrong(follow)
@@ -206,23 +230,33 @@ class ReferenceDrafter(_FeatureCounter):
     def __init__(self, weights: DraftWeights, embed_tokens: np.ndarray, lm_head: np.ndarray, cap: int = 4096) -> None:
         super().__init__(weights.cfg, lm_head.shape[0])
         if embed_tokens.shape != lm_head.shape or embed_tokens.shape[1] != weights.cfg.hidden:
-            raise ValueError(f"embed_tokens and lm_head must both be (vocab, {weights.cfg.hidden}), "
-                             f"got {embed_tokens.shape} and {lm_head.shape}")
+            raise ValueError(
+                f"embed_tokens and lm_head must both be (vocab, {weights.cfg.hidden}), "
+                f"got {embed_tokens.shape} and {lm_head.shape}"
+            )
         self.weights = weights
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.cap = int(cap)
 
-    def propose(self, last_token: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                rng: np.random.Generator | None = None) -> Any:
+    def propose(
+        self,
+        last_token: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        rng: np.random.Generator | None = None,
+    ) -> Any:
         if self.committed <= 0:
             raise ValueError("propose() needs the features of at least one committed token")
         cfg = self.cfg
         ids = np.full(cfg.block_size, cfg.mask_token_id, dtype=np.int64)
         ids[0] = last_token
         noise = self.embed_tokens[ids] * np.float32(cfg.input_embedding_scale)
-        logits = reference.reference_step(self.weights, self.features, self.committed, self.cap, noise,
-                                          lm_head=self.lm_head, dtype=np.float32)[1:]
+        logits = reference.reference_step(
+            self.weights, self.features, self.committed, self.cap, noise, lm_head=self.lm_head, dtype=np.float32
+        )[1:]
         if temperature == 0:
             return np.argmax(logits, axis=1).astype(np.int64)
         probs = sampling_probs(logits, temperature, top_k, top_p)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from ...common.errors import PyggmlDkvError
 
-class HostError(RuntimeError):
+
+class HostError(PyggmlDkvError, RuntimeError):
     """The llama.cpp host cannot do what was asked (bad input, closed host, llama.cpp failure)."""
 
 

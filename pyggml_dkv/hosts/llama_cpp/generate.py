@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .acceptance import accept_greedy, accept_sampled, target_probs, top2_gap
 from .drafters import DraftSource, check_fits_target
-from .sampling import draw
 from .errors import HostClosedError, HostError
+from .sampling import draw
 from .stats import GenerationStats, RoundStats
 
 if TYPE_CHECKING:  # the loop drives any LlamaTarget-like object; importing target loads llama_cpp
@@ -79,8 +80,12 @@ class SpeculativeGenerator:
         self.last_result: GenerationResult | None = None
         self.stats: GenerationStats | None = None
 
-    def generate(self, prompt: Sequence[int] | np.ndarray, config: GenerationConfig | None = None,
-                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        config: GenerationConfig | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> GenerationResult:
         """Run to completion; on_token(token) is called for each emitted token as it is accepted."""
         for token in self.stream(prompt, config):
             if on_token is not None:
@@ -142,8 +147,9 @@ class SpeculativeGenerator:
         def finish_stats() -> None:
             stats.n_tokens = len(emitted)
             stats.total_s = time.perf_counter() - t_start
-            self.last_result = GenerationResult(np.array(emitted, dtype=np.int64), finish, stats,
-                                                np.array(gaps, dtype=np.float32), rows)
+            self.last_result = GenerationResult(
+                np.array(emitted, dtype=np.int64), finish, stats, np.array(gaps, dtype=np.float32), rows
+            )
 
         if is_stop(first):
             finish = "stop"
@@ -166,8 +172,9 @@ class SpeculativeGenerator:
                 draft = np.asarray(drafter.propose(last), dtype=np.int64)
                 draft_probs = None
             else:
-                draft, draft_probs = drafter.propose(last, temperature=cfg.temperature, top_k=cfg.top_k,
-                                                     top_p=cfg.top_p, rng=rng)
+                draft, draft_probs = drafter.propose(
+                    last, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, rng=rng
+                )
                 draft = np.asarray(draft, dtype=np.int64)
             t1 = time.perf_counter()
             k = min(draft.size, room - 1, cfg.max_tokens - len(emitted) - 1)
@@ -180,6 +187,7 @@ class SpeculativeGenerator:
                 n_acc, out = accept_greedy(draft, logits)
             else:
                 p = target_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+                assert draft_probs is not None  # a sampled proposal comes with its probabilities
                 n_acc, out = accept_sampled(draft, draft_probs[:k], p, rng)
             drafter.add_features(capture.features(n_acc + 1))
             if observe is not None:
@@ -198,8 +206,17 @@ class SpeculativeGenerator:
                 if len(emitted) >= cfg.max_tokens:
                     break
             t3 = time.perf_counter()
-            stats.rounds.append(RoundStats(n_draft=k, n_accepted=n_acc, n_emitted=n_out, draft_s=t1 - t0,
-                                           verify_s=t2 - t1 - capture_s, capture_s=capture_s, host_s=t3 - t2))
+            stats.rounds.append(
+                RoundStats(
+                    n_draft=k,
+                    n_accepted=n_acc,
+                    n_emitted=n_out,
+                    draft_s=t1 - t0,
+                    verify_s=t2 - t1 - capture_s,
+                    capture_s=capture_s,
+                    host_s=t3 - t2,
+                )
+            )
             yield from out[:n_out].tolist()
             if finish == "stop":
                 break
@@ -219,8 +236,9 @@ class PlainResult:
         return (self.tokens.size - 1) / self.seconds if self.seconds > 0 and self.tokens.size > 1 else 0.0
 
 
-def plain_greedy(target: LlamaTarget, prompt: Sequence[int] | np.ndarray, max_tokens: int,
-                 stop_at_eog: bool = True) -> PlainResult:
+def plain_greedy(
+    target: LlamaTarget, prompt: Sequence[int] | np.ndarray, max_tokens: int, stop_at_eog: bool = True
+) -> PlainResult:
     """Plain one-token-at-a-time greedy decoding: the reference the speculative output is checked against."""
     toks = np.asarray(prompt, dtype=np.int64).reshape(-1)
     t0 = time.perf_counter()
@@ -238,7 +256,9 @@ def plain_greedy(target: LlamaTarget, prompt: Sequence[int] | np.ndarray, max_to
         if len(out) >= max_tokens or target.n_past >= target.n_ctx:
             break
         logits = target.decode([token], logits="last")[-1]
-    return PlainResult(np.array(out, dtype=np.int64), np.array(gaps, dtype=np.float32), time.perf_counter() - t1, t1 - t0)
+    return PlainResult(
+        np.array(out, dtype=np.int64), np.array(gaps, dtype=np.float32), time.perf_counter() - t1, t1 - t0
+    )
 
 
 def compare_to_plain(spec: GenerationResult, plain: PlainResult, near_tie: float) -> dict:
@@ -248,10 +268,24 @@ def compare_to_plain(spec: GenerationResult, plain: PlainResult, near_tie: float
     n = min(a.size, b.size)
     diff = np.nonzero(a[:n] != b[:n])[0]
     if diff.size == 0:  # one is a prefix of the other (max_tokens or n_ctx cut them differently)
-        return {"identical": bool(a.size == b.size), "first_divergence": None, "agree_tokens": int(n),
-                "near_tie": None, "gap_plain": None, "gap_spec": None, "lossless": True}
+        return {
+            "identical": bool(a.size == b.size),
+            "first_divergence": None,
+            "agree_tokens": int(n),
+            "near_tie": None,
+            "gap_plain": None,
+            "gap_spec": None,
+            "lossless": True,
+        }
     i = int(diff[0])
     gp, gs = float(plain.gaps[i]), float(spec.gaps[i])
     tie = min(gp, gs) < near_tie
-    return {"identical": False, "first_divergence": i, "agree_tokens": i, "near_tie": bool(tie),
-            "gap_plain": gp, "gap_spec": gs, "lossless": bool(tie)}
+    return {
+        "identical": False,
+        "first_divergence": i,
+        "agree_tokens": i,
+        "near_tie": bool(tie),
+        "gap_plain": gp,
+        "gap_spec": gs,
+        "lossless": bool(tie),
+    }

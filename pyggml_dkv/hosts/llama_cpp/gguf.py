@@ -31,8 +31,9 @@ class GGUFFile:
             self._reader = GGUFReader(self.path, "r")
         except (ValueError, OSError) as e:
             raise GGUFError(f"{self.path} is not a GGUF file ({e})") from e
-        self.meta: dict[str, Any] = {name: field_value(f) for name, f in self._reader.fields.items()
-                                     if not name.startswith("GGUF.")}
+        self.meta: dict[str, Any] = {
+            name: field_value(f) for name, f in self._reader.fields.items() if not name.startswith("GGUF.")
+        }
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.tensors = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in self._reader.tensors}
 

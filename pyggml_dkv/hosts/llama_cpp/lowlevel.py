@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import llama_cpp
 import llama_cpp._ggml as _ggml
@@ -20,7 +22,7 @@ import llama_cpp._ggml as _ggml
 TENSOR_NE_OFFSET = 16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def libggml() -> ctypes.CDLL:
     lib = _ggml.libggml
     lib.ggml_get_name.argtypes = [ctypes.c_void_p]
@@ -35,13 +37,14 @@ def libggml() -> ctypes.CDLL:
 
 
 def libllama() -> ctypes.CDLL:
-    return llama_cpp.llama_cpp._lib  # type: ignore[attr-defined]
+    return llama_cpp.llama_cpp._lib
 
 
 @dataclass(frozen=True)
 class NativeLayerInp:
-    set: ctypes._CFuncPtr  # (llama_context*, uint32 lid, bool enable) -> void
-    get: ctypes._CFuncPtr  # (llama_context*, uint32 lid) -> float*
+    # ctypes function pointers (typeshed names no public type for them)
+    set: Callable[..., None]  # (llama_context*, uint32 lid, bool enable) -> void
+    get: Callable[..., Any]  # (llama_context*, uint32 lid) -> float*
 
 
 # Itanium C++ ABI names of
@@ -51,7 +54,7 @@ _SET_MANGLED = b"_Z30llama_set_embeddings_layer_inpP13llama_contextjb"
 _GET_MANGLED = b"_Z30llama_get_embeddings_layer_inpP13llama_contextj"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def native_layer_inp() -> NativeLayerInp | None:
     lib = libllama()
     try:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +39,28 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def _run(job: dict[str, Any], arrays: dict[str, np.ndarray], timeout: float,
-         env: dict[str, str] | None = None) -> tuple[dict[str, Any], Path]:
+def _run(
+    job: dict[str, Any], arrays: dict[str, np.ndarray], timeout: float, env: dict[str, str] | None = None
+) -> tuple[dict[str, Any], Path]:
     work = Path(tempfile.mkdtemp(prefix="llama_dflash_"))
     for name, arr in arrays.items():
         np.save(work / f"{name}.npy", arr)
         job[name] = str(work / f"{name}.npy")
     job["out"] = str(work)
     (work / "job.json").write_text(json.dumps(job))
-    proc = subprocess.run([sys.executable, "-m", CHILD_MODULE, str(work / "job.json")], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", CHILD_MODULE, str(work / "job.json")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     if proc.returncode == -signal.SIGILL:
-        raise LlamaCppError(f"llama.cpp child ({job['mode']}) died of SIGILL: an instruction this CPU refuses (a "
-                            f"llama-cpp-python built for another CPU, or AMX tiles misconfigured; {INSTALL_HINT}):\n"
-                            f"{proc.stderr[-2000:]}")
+        raise LlamaCppError(
+            f"llama.cpp child ({job['mode']}) died of SIGILL: an instruction this CPU refuses (a "
+            f"llama-cpp-python built for another CPU, or AMX tiles misconfigured; {INSTALL_HINT}):\n"
+            f"{proc.stderr[-2000:]}"
+        )
     if proc.returncode != 0 or not (work / "result.json").is_file():
         raise LlamaCppError(f"llama.cpp child ({job['mode']}) exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     log.debug("llama.cpp child log tail:\n%s", proc.stderr[-2000:])
@@ -65,22 +74,125 @@ def llama_model_info(gguf: str | Path, timeout: float = 300) -> dict[str, Any]:
     return result
 
 
-def llama_dflash_trajectory(gguf: str | Path, feats: np.ndarray, commits: list[int], tokens: np.ndarray, cap: int,
-                            *, flash_attn: bool = False, threads: int = 1, timeout: float = 600) -> np.ndarray:
+def llama_dflash_trajectory(
+    gguf: str | Path,
+    feats: np.ndarray,
+    commits: list[int],
+    tokens: np.ndarray,
+    cap: int,
+    *,
+    flash_attn: bool = False,
+    threads: int = 1,
+    timeout: float = 600,
+) -> np.ndarray:
     """llama.cpp's drafter over a trajectory of commits: logits (steps, q_len, vocab).
     `feats[p]`: the target features of position p; `tokens[k]`: step k's noise block ids."""
     n_ctx = max(cap, 1) + tokens.shape[1] + 256
-    job = dict(mode="trajectory", gguf=str(gguf), commits=[int(c) for c in commits], cap=int(cap), n_ctx=n_ctx,
-               threads=threads, flash_attn=flash_attn)
-    _, work = _run(job, dict(feats=np.ascontiguousarray(feats, dtype=np.float32),
-                             tokens=np.ascontiguousarray(tokens, dtype=np.int32)), timeout)
+    job = dict(
+        mode="trajectory",
+        gguf=str(gguf),
+        commits=[int(c) for c in commits],
+        cap=int(cap),
+        n_ctx=n_ctx,
+        threads=threads,
+        flash_attn=flash_attn,
+    )
+    _, work = _run(
+        job,
+        dict(feats=np.ascontiguousarray(feats, dtype=np.float32), tokens=np.ascontiguousarray(tokens, dtype=np.int32)),
+        timeout,
+    )
     return np.load(work / "logits.npy")
 
 
-def llama_dflash_trajectory_seqs(gguf: str | Path, feats: np.ndarray | Sequence[np.ndarray],
-                                 commits: Sequence[int] | Sequence[Sequence[int]] | np.ndarray, tokens: np.ndarray,
-                                 cap: int, *, flash_attn: bool = False, threads: int = 1,
-                                 timeout: float = 600) -> np.ndarray:
+@dataclass(frozen=True)
+class LlamaDflash2Trajectory:
+    """What llama.cpp's DFlash-2 drafter drafted at each step of a trajectory (docs/dflash2.md,
+    section 2), as common/speculative.cpp takes it.
+
+    ids[s]: the greedy walk of step s, (q_len - 1,), -1 past an early stop (p_min);
+    packed[s]: its packed lattice rows as llama_get_embeddings_nextn returns them, (q_len, n_embd);
+    candidates[s, i - 1] = C_i (k,) and scores[s, i - 1] = S_i (k, k) for the draft positions
+    i = 1 .. q_len - 1, unpacked from those rows (S_1's k rows are all the anchor's);
+    logits[s]: (q_len, vocab) the logits the selector read (output multiplier and soft cap
+    applied in the graph), or None when not asked for."""
+
+    ids: np.ndarray
+    packed: np.ndarray
+    candidates: np.ndarray
+    scores: np.ndarray
+    logits: np.ndarray | None
+
+    @property
+    def top_k(self) -> int:
+        return int(self.candidates.shape[-1])
+
+
+def unpack_lattice(packed: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's packed lattice rows (..., q_len, n_embd) -> candidates (..., q_len - 1, k) int64
+    and scores (..., q_len - 1, k, k) float32 of the draft positions 1 .. q_len - 1 (row 0, the
+    anchor's, is all zeros). Row i = [C_i as floats (k), S_i predecessor-major (k*k), zeros]."""
+    rows = np.asarray(packed)[..., 1:, :]
+    cand_f = rows[..., :top_k]
+    candidates = cand_f.astype(np.int64)
+    if not np.array_equal(candidates, cand_f):
+        raise ValueError("packed lattice: a candidate id is not an integer (not a DFlash-2 lattice?)")
+    scores = rows[..., top_k : top_k * (top_k + 1)].reshape(rows.shape[:-1] + (top_k, top_k))
+    return candidates, np.ascontiguousarray(scores, dtype=np.float32)
+
+
+def llama_dflash2_trajectory(
+    gguf: str | Path,
+    feats: np.ndarray,
+    commits: list[int],
+    tokens: np.ndarray,
+    cap: int,
+    *,
+    logits: bool = False,
+    flash_attn: bool = False,
+    threads: int = 1,
+    timeout: float = 600,
+) -> LlamaDflash2Trajectory:
+    """llama.cpp's DFlash-2 drafter over a trajectory of commits, drafting as common/speculative.cpp:
+    nextn rows unmasked, the noise block decoded (every output flag off unless `logits`), the
+    packed lattice read back and walked greedily (native_dflash_child.walk_lattice).
+    `feats[p]`: the target features of position p; `tokens[k]`: step k's noise block ids,
+    [anchor, mask, ...] (at most dflash.block_size of them: llama.cpp aborts on a longer block)."""
+    tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+    n_ctx = max(cap, 1) + tokens.shape[1] + 256
+    job = dict(
+        mode="trajectory_dflash2",
+        gguf=str(gguf),
+        commits=[int(c) for c in commits],
+        cap=int(cap),
+        n_ctx=n_ctx,
+        threads=threads,
+        flash_attn=flash_attn,
+        logits=bool(logits),
+    )
+    result, work = _run(job, dict(feats=np.ascontiguousarray(feats, dtype=np.float32), tokens=tokens), timeout)
+    packed = np.load(work / "lattice.npy")
+    candidates, scores = unpack_lattice(packed, int(result["selector_top_k"]))
+    return LlamaDflash2Trajectory(
+        ids=np.load(work / "ids.npy"),
+        packed=packed,
+        candidates=candidates,
+        scores=scores,
+        logits=np.load(work / "logits.npy") if logits else None,
+    )
+
+
+def llama_dflash_trajectory_seqs(
+    gguf: str | Path,
+    feats: np.ndarray | Sequence[np.ndarray],
+    commits: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
+    tokens: np.ndarray,
+    cap: int,
+    *,
+    flash_attn: bool = False,
+    threads: int = 1,
+    timeout: float = 600,
+) -> np.ndarray:
     """llama.cpp's drafter running N sequences in ONE context, every step packed as llama.cpp's
     server packs its slots: one llama_process injects the new feature rows of all sequences, one
     more decodes all N noise blocks (sequence 0's first) -> logits (steps, N, q_len, vocab).
@@ -98,7 +210,7 @@ def llama_dflash_trajectory_seqs(gguf: str | Path, feats: np.ndarray | Sequence[
             raise ValueError("feats: one (P, fc_in) array per sequence, all of the same fc_in")
         packed = np.zeros((len(rows), max(r.shape[0] for r in rows), rows[0].shape[1]), dtype=np.float32)
         for s, r in enumerate(rows):
-            packed[s, :r.shape[0]] = r
+            packed[s, : r.shape[0]] = r
     n_seq = packed.shape[0]
     tokens = np.ascontiguousarray(tokens, dtype=np.int32)
     commits_arr = np.asarray(commits, dtype=np.int64)
@@ -111,16 +223,34 @@ def llama_dflash_trajectory_seqs(gguf: str | Path, feats: np.ndarray | Sequence[
     if commits_arr.size and commits_arr.max() > packed.shape[1]:
         raise ValueError(f"a commit ({commits_arr.max()}) beyond the features given ({packed.shape[1]} rows)")
     n_ctx = max(cap, 1) + tokens.shape[2] + 256  # per sequence (the child multiplies by N)
-    job = dict(mode="trajectory_seqs", gguf=str(gguf), commits=commits_arr.tolist(), cap=int(cap), n_ctx=n_ctx,
-               threads=threads, flash_attn=flash_attn)
+    job = dict(
+        mode="trajectory_seqs",
+        gguf=str(gguf),
+        commits=commits_arr.tolist(),
+        cap=int(cap),
+        n_ctx=n_ctx,
+        threads=threads,
+        flash_attn=flash_attn,
+    )
     _, work = _run(job, dict(feats=packed, tokens=tokens), timeout)
     return np.load(work / "logits.npy")
 
 
-def llama_dflash_bench(gguf: str | Path, windows: list[int], *, fc_in: int, q_len: int, n_new: int = 9,
-                       reps: int = 20, warmup: int = 3, flash_attn: bool = True, threads: int = 2,
-                       omp_wait_policy: str | None = None, n_seq: int = 1,
-                       timeout: float = 600) -> dict[int, list[float]]:
+def llama_dflash_bench(
+    gguf: str | Path,
+    windows: list[int],
+    *,
+    fc_in: int,
+    q_len: int,
+    n_new: int = 9,
+    reps: int = 20,
+    warmup: int = 3,
+    flash_attn: bool = True,
+    threads: int = 2,
+    omp_wait_policy: str | None = None,
+    n_seq: int = 1,
+    timeout: float = 600,
+) -> dict[int, list[float]]:
     """Seconds per steady-state step (n_new context rows + one noise block with logits) per window.
 
     `n_seq`: sequences drafted together in one llama.cpp context, as llama.cpp's server drafts
@@ -135,7 +265,11 @@ def llama_dflash_bench(gguf: str | Path, windows: list[int], *, fc_in: int, q_le
     `omp_wait_policy`: OMP_WAIT_POLICY for llama.cpp's process ("active" / "passive"), or None for
     OpenMP's default (spin a while, then sleep), whatever this process has. llama.cpp's ggml meets
     at `omp barrier` after every graph node, so PASSIVE (a futex sleep per node) slows its draft
-    step by ~1.35x (docs/guide.md, "llama.cpp's GGUF drafters"); its fastest setting is the default.
+    step by ~1.35x (docs/gguf-and-checkpoints.md, "Against llama.cpp's own drafter"); its fastest setting is the default.
+
+    A DFlash-2 GGUF (dflash.selector_top_k > 0) is drafted as common/speculative.cpp drafts it:
+    noise blocks [anchor, mask, ...] decoded with no logits read back, the packed lattice read
+    (llama_get_embeddings_nextn) and walked greedily on the CPU, all inside the timed step.
     """
     if omp_wait_policy is not None and omp_wait_policy.lower() not in ("active", "passive"):
         raise ValueError(f"omp_wait_policy must be 'active', 'passive' or None, got {omp_wait_policy!r}")
@@ -144,7 +278,18 @@ def llama_dflash_bench(gguf: str | Path, windows: list[int], *, fc_in: int, q_le
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if omp_wait_policy is not None:
         env["OMP_WAIT_POLICY"] = omp_wait_policy.upper()
-    job = dict(mode="bench", gguf=str(gguf), windows=[int(w) for w in windows], fc_in=fc_in, q_len=q_len,
-               n_new=n_new, reps=reps, warmup=warmup, flash_attn=flash_attn, threads=threads, n_seq=int(n_seq))
+    job = dict(
+        mode="bench",
+        gguf=str(gguf),
+        windows=[int(w) for w in windows],
+        fc_in=fc_in,
+        q_len=q_len,
+        n_new=n_new,
+        reps=reps,
+        warmup=warmup,
+        flash_attn=flash_attn,
+        threads=threads,
+        n_seq=int(n_seq),
+    )
     result, _ = _run(job, {}, timeout, env)
     return {int(w): t for w, t in result["times"].items()}

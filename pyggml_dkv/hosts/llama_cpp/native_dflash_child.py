@@ -5,8 +5,9 @@ llama_cpp.
 
     python -m pyggml_dkv.hosts.llama_cpp.native_dflash_child JOB.json
 
-JOB.json: {"mode": "meta" | "trajectory" | "trajectory_seqs" | "bench", "gguf": path, "out": directory, ...}
-("bench" takes an optional "n_seq": that many sequences drafted in one packed decode per step).
+JOB.json: {"mode": "meta" | "trajectory" | "trajectory_seqs" | "bench" | "trajectory_dflash2", "gguf": path,
+"out": directory, ...} ("bench" takes an optional "n_seq": that many sequences drafted in one packed
+decode per step).
 Arrays come in and go out as .npy files; the summary goes to out/result.json.
 
 The drafter context works like llama.cpp's speculative driver (common/speculative.cpp, class
@@ -23,6 +24,15 @@ n_parallel): each step injects the new feature rows of every sequence in one lla
 of several sequences in one batch, each sequence's rows contiguous, lowest id first) and decodes
 the noise blocks of all of them in one more (equal-width blocks, sequence 0's first), logits for
 every row. The cache has one stream per sequence (kv_unified false, llama.cpp's default).
+
+DFlash-2 drafters (dflash.selector_top_k > 0, docs/dflash2.md) are driven as common/speculative.cpp
+drives them: nextn embeddings UNMASKED (one row per batch token, whatever its output flag), the
+noise block decoded with every output flag off (the graph computes the logits of every row anyway:
+the selector reads them), then the packed lattice read back (llama_get_embeddings_nextn: row i of a
+block = [C_i as floats (k), S_i predecessor-major (k*k), zeros], row 0 zeros) and walked greedily
+on the CPU exactly as `common_speculative_impl_draft_dflash::draft` does (`walk_lattice`).
+"trajectory_dflash2" returns per step the walk's ids, the packed rows, and (with "logits") the
+logits, read through output flags set on every row, which leaves the lattice as it is.
 """
 
 from __future__ import annotations
@@ -40,6 +50,32 @@ import numpy as np
 log = logging.getLogger("pyggml_dkv.hosts.llama_cpp.native_dflash_child")
 
 
+def walk_lattice(rows: np.ndarray, top_k: int, p_min: float = 0.0, n_min: int = 0) -> list[int]:
+    """llama.cpp's DFlash-2 draft ids from one block's packed lattice rows (n_block_tokens, n_embd),
+    transcribed from common/speculative.cpp (`draft`, the is_dflash2 branch): from predecessor 0
+    (position 1's rows are all the anchor's), at each position i >= 1 the first maximum of
+    S_i[pred, :] (std::max_element), an early stop when p_min > 0 and the pick's softmax over the
+    k scores is below p_min (computed in float32 as there), and nothing at all when fewer than
+    n_min ids were emitted."""
+    rows = np.asarray(rows, dtype=np.float32)
+    ids: list[int] = []
+    pred = 0
+    for i in range(1, rows.shape[0]):
+        row = rows[i]
+        scores = row[top_k + pred * top_k : top_k + (pred + 1) * top_k]
+        pred = int(np.argmax(scores))  # the first maximum, as std::max_element
+        if p_min > 0.0:
+            total = np.float32(0.0)
+            for k in range(top_k):
+                total += np.exp(np.float32(scores[k] - scores[pred]), dtype=np.float32)
+            if np.float32(1.0) / total < np.float32(p_min):
+                break
+        ids.append(int(row[pred]))  # (llama_token) row[pred]: the id, carried as a float
+    if len(ids) < n_min:
+        ids.clear()
+    return ids
+
+
 class Drafter:
     """One llama.cpp DFlash drafter context holding `n_seq` sequences (ids 0 .. n_seq-1).
 
@@ -47,8 +83,16 @@ class Drafter:
     n_seq = n_parallel): one llama_process injects the new feature rows of every sequence, one
     more decodes every sequence's noise block (step_seqs)."""
 
-    def __init__(self, gguf: str, n_ctx: int, threads: int, flash_attn: bool, n_batch: int = 512,
-                 context: bool = True, n_seq: int = 1) -> None:
+    def __init__(
+        self,
+        gguf: str,
+        n_ctx: int,
+        threads: int,
+        flash_attn: bool,
+        n_batch: int = 512,
+        context: bool = True,
+        n_seq: int = 1,
+    ) -> None:
         """`n_ctx`: the positions ONE sequence must hold (its window + noise block + headroom).
         `context` False: load the model only (a drafter without token_embd / output needs
         the target's context as ctx_other to run, not to load)."""
@@ -66,6 +110,14 @@ class Drafter:
         if not self.model:
             raise RuntimeError(f"llama_model_load_from_file failed for {gguf}")
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.n_embd = L.llama_model_n_embd(self.model)
+        self.mask_token = L.llama_vocab_mask(L.llama_model_get_vocab(self.model))
+        # C++-linkage accessor (llama-ext.h; what common/speculative.cpp switches DFlash-2 on)
+        top_k_fn = L.llama_cpp._lib._Z33llama_model_dflash_selector_top_kPK11llama_model
+        top_k_fn.argtypes = [ctypes.c_void_p]
+        top_k_fn.restype = ctypes.c_int32
+        self.selector_top_k = int(top_k_fn(self.model))
+        self.dflash2 = self.selector_top_k > 0
         if not context:
             return
         cp = L.llama_context_default_params()
@@ -89,7 +141,9 @@ class Drafter:
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise RuntimeError("llama_init_from_model failed")
-        LX.llama_set_embeddings_nextn(self.ctx, True, True)
+        # as common/speculative.cpp: DFlash-2 reads its lattice from the UNMASKED nextn rows
+        LX.llama_set_embeddings_nextn(self.ctx, True, not self.dflash2)
+        self.LX = LX
         L.llama_set_causal_attn(self.ctx, False)
         self.batch = L.llama_batch_ext_init(self.ctx)
         self.mem = L.llama_get_memory(self.ctx)
@@ -182,6 +236,54 @@ class Drafter:
             self.forget(seq, committed)
         return out
 
+    def noise_lattice_seqs(
+        self, blocks: list[tuple[int, np.ndarray, int]], logits: bool = False, p_min: float = 0.0, n_min: int = 0
+    ) -> tuple[list[list[int]], np.ndarray, np.ndarray | None]:
+        """DFlash-2: (seq, tokens, committed) per sequence, in increasing seq order, blocks of equal
+        width, tokens = [anchor, mask, ...]: one decode of all the noise blocks with every output
+        flag off (as common/speculative.cpp; `logits` True sets them on to read the logits too),
+        the packed lattice rows read back (llama_get_embeddings_nextn) and walked per block
+        (walk_lattice) -> (ids per block, packed rows (n_blocks, q_len, n_embd), logits
+        (n_blocks, q_len, vocab) or None); then each sequence's noise rows leave its cache."""
+        L = self.L
+        if not self.dflash2:
+            raise ValueError("not a DFlash-2 drafter (dflash.selector_top_k is 0)")
+        q_len = len(blocks[0][1])
+        if any(len(t) != q_len for _, t, _ in blocks):
+            raise ValueError("the noise blocks of a packed decode must be of equal width")
+        if len(blocks) * q_len > self.n_batch:
+            raise ValueError(f"{len(blocks)} blocks of {q_len} exceed n_batch {self.n_batch}")
+        L.llama_batch_ext_clear(self.batch)
+        for seq, tokens, committed in blocks:
+            self._check_seq(seq)
+            for j, tok in enumerate(tokens):
+                idx = L.llama_batch_ext_add_token(self.batch, seq, int(tok))
+                if idx < 0:
+                    raise RuntimeError(f"llama_batch_ext_add_token returned {idx}")
+                self._pos(idx, committed + j)
+                L.llama_batch_ext_set_output_logits(self.batch, idx, logits)
+        self._process()
+        ptr = self.LX.llama_get_embeddings_nextn(self.ctx)
+        if not ptr:
+            raise RuntimeError("DFlash-2 selector produced no lattice (llama_get_embeddings_nextn is NULL)")
+        packed = (
+            np.ctypeslib.as_array(ptr, shape=(len(blocks) * q_len, self.n_embd))
+            .reshape(len(blocks), q_len, self.n_embd)
+            .copy()
+        )
+        ids = [walk_lattice(packed[b], self.selector_top_k, p_min, n_min) for b in range(len(blocks))]
+        out = None
+        if logits:
+            out = np.empty((len(blocks), q_len, self.n_vocab), dtype=np.float32)
+            for b in range(len(blocks)):
+                for j in range(q_len):
+                    out[b, j] = np.ctypeslib.as_array(
+                        L.llama_get_logits_ith(self.ctx, b * q_len + j), shape=(self.n_vocab,)
+                    )
+        for seq, _, committed in blocks:
+            self.forget(seq, committed)
+        return ids, packed, out
+
     def _sync(self, seq: int, committed: int, cap: int) -> int:
         """Bring sequence `seq`'s cache to `committed` (rewinds drop later positions) and keep its
         last `cap` positions; returns the first position whose features must be injected."""
@@ -202,11 +304,26 @@ class Drafter:
         last `cap` positions, then draft. `feats`: all target features, row = position."""
         return self.step_seqs([feats], [committed], [tokens], cap)[0]
 
-    def step_seqs(self, feats: list[np.ndarray], committed: list[int], tokens: list[np.ndarray],
-                  cap: int) -> np.ndarray:
+    def step_seqs(
+        self, feats: list[np.ndarray], committed: list[int], tokens: list[np.ndarray], cap: int
+    ) -> np.ndarray:
         """Sequences 0 .. len(feats)-1 at once: each brought to its `committed[s]` with its last
         `cap` positions kept, ONE llama_process for the new feature rows of every sequence, ONE for
         the noise blocks of all of them -> logits (n, q_len, vocab)."""
+        return self.noise_logits_seqs(self._inject_for_step(feats, committed, tokens, cap))
+
+    def draft2_seqs(
+        self, feats: list[np.ndarray], committed: list[int], tokens: list[np.ndarray], cap: int, logits: bool = False
+    ) -> tuple[list[list[int]], np.ndarray, np.ndarray | None]:
+        """step_seqs for a DFlash-2 drafter: the same injection, then noise_lattice_seqs (the
+        lattice and its greedy walk; the logits too with `logits`)."""
+        return self.noise_lattice_seqs(self._inject_for_step(feats, committed, tokens, cap), logits)
+
+    def _inject_for_step(
+        self, feats: list[np.ndarray], committed: list[int], tokens: list[np.ndarray], cap: int
+    ) -> list[tuple[int, np.ndarray, int]]:
+        """Bring every sequence to its committed count (one llama_process for all the new feature
+        rows) -> the (seq, tokens, committed) noise blocks to decode."""
         rows, blocks = [], []
         for s, (f, c, t) in enumerate(zip(feats, committed, tokens)):
             start = self._sync(s, c, cap)
@@ -216,7 +333,7 @@ class Drafter:
             blocks.append((s, t, c))
         if rows:
             self.inject_seqs(rows)
-        return self.noise_logits_seqs(blocks)
+        return blocks
 
     def meta(self) -> dict[str, Any]:
         L = self.L
@@ -232,8 +349,8 @@ class Drafter:
         vocab = L.llama_model_get_vocab(self.model)
         # C++-linkage accessors (llama-ext.h): the mangled names libllama exports
         lib = L.llama_cpp._lib
-        ids_fn = getattr(lib, "_Z28llama_model_target_layer_idsPK11llama_model")
-        n_fn = getattr(lib, "_Z30llama_model_target_layer_ids_nPK11llama_model")
+        ids_fn = lib._Z28llama_model_target_layer_idsPK11llama_model
+        n_fn = lib._Z30llama_model_target_layer_ids_nPK11llama_model
         ids_fn.argtypes = n_fn.argtypes = [ctypes.c_void_p]
         ids_fn.restype = ctypes.POINTER(ctypes.c_int32)
         n_fn.restype = ctypes.c_uint32
@@ -241,10 +358,16 @@ class Drafter:
         ids = ids_fn(self.model)
         return dict(
             target_layer_ids=[int(ids[i]) for i in range(n_ids)],
-            meta=kv, n_embd=L.llama_model_n_embd(self.model), n_layer=L.llama_model_n_layer(self.model),
-            n_head=L.llama_model_n_head(self.model), n_head_kv=L.llama_model_n_head_kv(self.model),
-            n_vocab=self.n_vocab, mask=L.llama_vocab_mask(vocab), rope_type=L.llama_model_rope_type(self.model),
+            meta=kv,
+            n_embd=L.llama_model_n_embd(self.model),
+            n_layer=L.llama_model_n_layer(self.model),
+            n_head=L.llama_model_n_head(self.model),
+            n_head_kv=L.llama_model_n_head_kv(self.model),
+            n_vocab=self.n_vocab,
+            mask=L.llama_vocab_mask(vocab),
+            rope_type=L.llama_model_rope_type(self.model),
             n_params=L.llama_model_n_params(self.model),
+            selector_top_k=self.selector_top_k,
         )
 
     def close(self) -> None:
@@ -269,6 +392,35 @@ def run_trajectory(job: dict[str, Any], out: Path) -> dict[str, Any]:
     return dict(steps=len(commits))
 
 
+def run_trajectory_dflash2(job: dict[str, Any], out: Path) -> dict[str, Any]:
+    """A DFlash-2 drafter over a trajectory of commits: per step the greedy walk's ids
+    (ids.npy (steps, q_len - 1), -1 past an early stop), the packed lattice rows (lattice.npy
+    (steps, q_len, n_embd)) and, with job["logits"], the logits (logits.npy (steps, q_len, vocab))."""
+    feats = np.load(job["feats"])
+    tokens = np.load(job["tokens"])
+    commits = job["commits"]
+    want_logits = bool(job.get("logits", False))
+    d = Drafter(job["gguf"], job["n_ctx"], job["threads"], job["flash_attn"])
+    ids = np.full((len(commits), tokens.shape[1] - 1), -1, dtype=np.int64)
+    packed, logits = [], []
+    try:
+        if not d.dflash2:
+            raise SystemExit(f"{job['gguf']}: not a DFlash-2 drafter (dflash.selector_top_k is 0)")
+        for k, c in enumerate(commits):
+            walk, rows, lg = d.draft2_seqs([feats], [c], [tokens[k]], job["cap"], want_logits)
+            ids[k, : len(walk[0])] = walk[0]
+            packed.append(rows[0])
+            if lg is not None:
+                logits.append(lg[0])
+    finally:
+        d.close()
+    np.save(out / "ids.npy", ids)
+    np.save(out / "lattice.npy", np.stack(packed))
+    if want_logits:
+        np.save(out / "logits.npy", np.stack(logits))
+    return dict(steps=len(commits), selector_top_k=d.selector_top_k, n_embd=d.n_embd)
+
+
 def run_trajectory_seqs(job: dict[str, Any], out: Path) -> dict[str, Any]:
     """N sequences in one context, every step packed: feats (N, P, fc_in), commits (steps, N),
     tokens (steps, N, q_len) -> logits (steps, N, q_len, vocab)."""
@@ -278,8 +430,12 @@ def run_trajectory_seqs(job: dict[str, Any], out: Path) -> dict[str, Any]:
     n_seq = feats.shape[0]
     d = Drafter(job["gguf"], job["n_ctx"], job["threads"], job["flash_attn"], n_seq=n_seq)
     try:
-        logits = np.stack([d.step_seqs(list(feats), [int(c) for c in commits[k]], list(tokens[k]), job["cap"])
-                           for k in range(commits.shape[0])])
+        logits = np.stack(
+            [
+                d.step_seqs(list(feats), [int(c) for c in commits[k]], list(tokens[k]), job["cap"])
+                for k in range(commits.shape[0])
+            ]
+        )
     finally:
         d.close()
     np.save(out / "logits.npy", logits)
@@ -290,29 +446,39 @@ def run_bench(job: dict[str, Any], out: Path) -> dict[str, Any]:
     """Steady state at each window W with `n_seq` sequences (default 1) in one context: each step
     commits `n_new` new context rows to EVERY sequence and drafts every sequence's noise block
     with logits (step_seqs: one packed inject, one packed noise decode, all logits read back).
-    Each sequence has its own random features and noise tokens. Seconds per (packed) step."""
+    Each sequence has its own random features and noise tokens. Seconds per (packed) step.
+    A DFlash-2 drafter's step is common/speculative.cpp's instead (draft2_seqs): noise blocks
+    [anchor, mask, ...] decoded with no logits read back, the packed lattice read and walked."""
     fc_in, q_len, n_new, reps = job["fc_in"], job["q_len"], job["n_new"], job["reps"]
     n_seq = int(job.get("n_seq", 1))
     rng = np.random.default_rng(0)
     results = {}
+    dflash2 = False
     for W in job["windows"]:
         d = Drafter(job["gguf"], W + 2 * q_len + n_new + 256, job["threads"], job["flash_attn"], n_seq=n_seq)
         try:
             total = W + (reps + job["warmup"]) * n_new
             feats = list(rng.standard_normal((n_seq, total, fc_in), dtype=np.float32))
             tokens = list(rng.integers(0, d.n_vocab, size=(n_seq, q_len)).astype(np.int32))
-            d.step_seqs(feats, [W] * n_seq, tokens, W)  # prefill the windows
+            # a DFlash-2 drafter drafts as common/speculative.cpp: [anchor, mask, ...], no logits
+            # read, the lattice read and walked; DFlash-1: every row's logits read
+            if d.dflash2:
+                for t in tokens:
+                    t[1:] = d.mask_token
+            dflash2 = d.dflash2
+            step = d.draft2_seqs if d.dflash2 else d.step_seqs
+            step(feats, [W] * n_seq, tokens, W)  # prefill the windows
             times = []
             for k in range(job["warmup"] + reps):
                 committed = W + (k + 1) * n_new
                 t0 = time.perf_counter()
-                d.step_seqs(feats, [committed] * n_seq, tokens, W)
+                step(feats, [committed] * n_seq, tokens, W)
                 if k >= job["warmup"]:
                     times.append(time.perf_counter() - t0)
         finally:
             d.close()
         results[str(W)] = times
-    return dict(times=results, n_seq=n_seq)
+    return dict(times=results, n_seq=n_seq, dflash2=dflash2)
 
 
 def main() -> None:
@@ -329,6 +495,8 @@ def main() -> None:
         result = run_trajectory(job, out)
     elif job["mode"] == "trajectory_seqs":
         result = run_trajectory_seqs(job, out)
+    elif job["mode"] == "trajectory_dflash2":
+        result = run_trajectory_dflash2(job, out)
     elif job["mode"] == "bench":
         result = run_bench(job, out)
     else:

@@ -32,15 +32,15 @@ class TokenHistory:
 
     @property
     def tokens(self) -> np.ndarray:
-        return self._tokens[:self._n]
+        return self._tokens[: self._n]
 
     def observe(self, tokens: Any) -> None:
         arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if self._n + arr.size > self._tokens.size:
             grown = np.zeros(max(2 * self._tokens.size, self._n + arr.size), dtype=np.int64)
-            grown[:self._n] = self._tokens[:self._n]
+            grown[: self._n] = self._tokens[: self._n]
             self._tokens = grown
-        self._tokens[self._n:self._n + arr.size] = arr
+        self._tokens[self._n : self._n + arr.size] = arr
         self._n += arr.size
 
     def rewind(self, n: int) -> None:
@@ -55,20 +55,21 @@ def ngram_lookup(context: np.ndarray, max_ngram: int, min_ngram: int, n_pred: in
     largest n in [min_ngram, max_ngram] that occurs; empty when none does."""
     size = context.size
     for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
-        tail = context[size - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(context[:size - 1], n)  # occurrences ending before the tail
+        tail = context[size - n :]
+        windows = np.lib.stride_tricks.sliding_window_view(context[: size - 1], n)  # occurrences ending before the tail
         hits = np.nonzero((windows == tail).all(axis=1))[0]
         if hits.size:
             start = int(hits[-1]) + n
-            return context[start:start + n_pred].copy()
+            return context[start : start + n_pred].copy()
     return np.zeros(0, dtype=np.int64)
 
 
 class NgramDrafter:
     """Prompt-lookup drafting through the DraftSource interface (greedy verification)."""
 
-    def __init__(self, cfg: DraftConfig, vocab: int, *, max_ngram: int = 3, min_ngram: int = 2,
-                 n_pred: int | None = None) -> None:
+    def __init__(
+        self, cfg: DraftConfig, vocab: int, *, max_ngram: int = 3, min_ngram: int = 2, n_pred: int | None = None
+    ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.cfg = cfg

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import numpy as np
@@ -80,8 +81,15 @@ class RemoteDrafter:
     """A `pyggml_dkv.Drafter` (built by `ggml_drafter(weights, gguf_path, **drafter_kwargs)`) in a child
     process; n_threads: its CPU backend's threads (default: the Drafter's own backend)."""
 
-    def __init__(self, weights: DraftWeights, gguf_path: str, *, n_threads: int | None = None, timeout_s: float = 300.0,
-                 **drafter_kwargs: Any) -> None:
+    def __init__(
+        self,
+        weights: DraftWeights,
+        gguf_path: str,
+        *,
+        n_threads: int | None = None,
+        timeout_s: float = 300.0,
+        **drafter_kwargs: Any,
+    ) -> None:
         gguf = GGUFFile(gguf_path)
         head_rows = gguf.tensors["output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"][0]
         check_fits_gguf(weights.cfg, head_rows, gguf)  # fail here, before a process is started
@@ -91,8 +99,11 @@ class RemoteDrafter:
         self._timeout = timeout_s
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, weights.cfg.to_dict(), dict(weights), str(gguf_path),
-                                                      n_threads, drafter_kwargs), daemon=True)
+        self._proc: BaseProcess | None = ctx.Process(
+            target=_serve,
+            args=(child, weights.cfg.to_dict(), dict(weights), str(gguf_path), n_threads, drafter_kwargs),
+            daemon=True,
+        )
         self._proc.start()
         child.close()
         status, detail = self._recv()
@@ -131,8 +142,15 @@ class RemoteDrafter:
         self._send("reset")
         self._committed = 0
 
-    def propose(self, last_token: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                rng: np.random.Generator | None = None) -> Any:
+    def propose(
+        self,
+        last_token: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        rng: np.random.Generator | None = None,
+    ) -> Any:
         seed = int((rng or np.random.default_rng()).integers(2**62))
         self._send("propose", int(last_token), float(temperature), int(top_k), float(top_p), seed)
         status, value = self._recv()
@@ -155,7 +173,7 @@ class RemoteDrafter:
             proc.join(5)
         self._conn.close()
 
-    def __enter__(self) -> "RemoteDrafter":
+    def __enter__(self) -> RemoteDrafter:
         return self
 
     def __exit__(self, *exc: object) -> None:

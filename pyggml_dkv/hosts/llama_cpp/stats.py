@@ -75,5 +75,7 @@ class GenerationStats:
         split = self.time_split()
         busy = sum(split.values()) or 1.0
         parts = ", ".join(f"{k[:-2]} {100 * v / busy:.0f}%" for k, v in split.items())
-        return (f"{self.n_tokens} tokens in {len(self.rounds)} rounds, {self.tokens_per_round:.2f} tokens/round, "
-                f"{self.tokens_per_s:.1f} tokens/s; histogram {self.histogram()}; time: {parts}")
+        return (
+            f"{self.n_tokens} tokens in {len(self.rounds)} rounds, {self.tokens_per_round:.2f} tokens/round, "
+            f"{self.tokens_per_s:.1f} tokens/s; histogram {self.histogram()}; time: {parts}"
+        )

@@ -12,12 +12,12 @@ import ctypes
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
-
-import numpy as np
+from typing import Any, Literal, overload
 
 import llama_cpp
+import numpy as np
 
 from ...ggml.capabilities import load_ggml_matmul_tiles
 from .amx_guard import llama_uses_amx_tiles, model_params
@@ -37,46 +37,15 @@ def _quiet_llama_logs() -> None:
         llama_logger.set_verbose(False)
 
 
-class LlamaTarget:
-    """A llama.cpp target model: decode at positions, logits, KV removal, captured features.
+class _LlamaModel:
+    """A llama.cpp model and its context: loading, lifecycle and vocabulary, what LlamaTarget and
+    BatchedLlamaTarget (batched_target.py) share. The subclass's __init__ loads the model
+    (`_load_model`), then creates the context (`_init_context`) and its batch."""
 
-    capture_layers: the drafter's target_layer_ids (empty: no capture).
-    capture: "auto" | "native" | "callback" (see capture.py).
-    """
-
-    def __init__(
-        self,
-        model_path: str | os.PathLike,
-        *,
-        n_ctx: int = 2048,
-        n_batch: int = 512,
-        n_ubatch: int | None = None,
-        n_threads: int = 2,
-        capture_layers: Sequence[int] = (),
-        capture: str = "auto",
-        verbose: bool = False,
-    ) -> None:
-        self._model = None
-        self._ctx = None
-        self._batch = None
-        self._load_model(model_path, verbose)
-        self.capture: FeatureCapture | None = None
-        if capture_layers:
-            self.capture = make_capture(capture, capture_layers, self.n_embd, self.n_layer, n_batch)
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = n_batch
-        cparams.n_ubatch = min(n_batch, n_ubatch or n_batch)
-        cparams.n_seq_max = 1
-        cparams.n_threads = n_threads
-        cparams.n_threads_batch = n_threads
-        self._init_context(cparams)
-        self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
-        self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
-        self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self.n_past = 0  # positions [0, n_past) are in the KV cache
-        self.decode_seconds = 0.0
+    _model: Any  # llama_model* (None once closed)
+    _ctx: Any  # llama_context*
+    _batch: Any  # llama_batch
+    capture: FeatureCapture | None
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -99,12 +68,6 @@ class LlamaTarget:
         if self._model is not None:
             llama_cpp.llama_model_free(self._model)
             self._model = None
-
-    def __enter__(self) -> "LlamaTarget":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __del__(self) -> None:
         try:
@@ -183,6 +146,56 @@ class LlamaTarget:
         """`user` in the model's chat template (ChatML for SmolLM2), ready for generation."""
         return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
+
+class LlamaTarget(_LlamaModel):
+    """A llama.cpp target model: decode at positions, logits, KV removal, captured features.
+
+    capture_layers: the drafter's target_layer_ids (empty: no capture).
+    capture: "auto" | "native" | "callback" (see capture.py).
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        n_ctx: int = 2048,
+        n_batch: int = 512,
+        n_ubatch: int | None = None,
+        n_threads: int = 2,
+        capture_layers: Sequence[int] = (),
+        capture: str = "auto",
+        verbose: bool = False,
+    ) -> None:
+        self._model = None
+        self._ctx = None
+        self._batch = None
+        self._load_model(model_path, verbose)
+        self.capture: FeatureCapture | None = None
+        if capture_layers:
+            self.capture = make_capture(capture, capture_layers, self.n_embd, self.n_layer, n_batch)
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = min(n_batch, n_ubatch or n_batch)
+        cparams.n_seq_max = 1
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        self._init_context(cparams)
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+        self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.n_past = 0  # positions [0, n_past) are in the KV cache
+        self.decode_seconds = 0.0
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> LlamaTarget:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # --- decoding --------------------------------------------------------------------------
 
     def clear(self) -> None:
@@ -200,6 +213,13 @@ class LlamaTarget:
             if not llama_cpp.llama_memory_seq_rm(self._memory, 0, n_keep, -1):
                 raise HostError(f"llama.cpp could not remove positions >= {n_keep} from the KV cache")
             self.n_past = n_keep
+
+    @overload
+    def decode(self, tokens: Sequence[int] | np.ndarray, *, logits: Literal["all", "last"] = "last") -> np.ndarray: ...
+    @overload
+    def decode(self, tokens: Sequence[int] | np.ndarray, *, logits: Literal["none"]) -> None: ...
+    @overload
+    def decode(self, tokens: Sequence[int] | np.ndarray, *, logits: str) -> np.ndarray | None: ...
 
     def decode(self, tokens: Sequence[int] | np.ndarray, *, logits: str = "last") -> np.ndarray | None:
         """Decode `tokens` at positions n_past, n_past+1, ...; capture their features.
@@ -221,7 +241,7 @@ class LlamaTarget:
             raise HostError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
         cap = self.capture
         want_all = logits == "all" or (cap is not None and cap.needs_all_outputs)
-        b = self._batch
+        b = self._batch  # (open: the batch lives as long as the context)
         for i in range(n):
             b.token[i] = int(toks[i])
             b.pos[i] = self.n_past + i
@@ -258,12 +278,12 @@ class LlamaTarget:
             raise HostError("the prompt is empty")
         last = None
         for lo in range(0, toks.size, self.n_batch):
-            chunk = toks[lo:lo + self.n_batch]
+            chunk = toks[lo : lo + self.n_batch]
             is_last = lo + self.n_batch >= toks.size
             out = self.decode(chunk, logits="last" if is_last else "none")
             if on_chunk is not None and self.capture is not None:
                 on_chunk(self.capture.features())
-            if is_last:
+            if out is not None:  # the last chunk (the others ask for no logits)
                 last = np.array(out[-1])
         assert last is not None
         return last

@@ -10,7 +10,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # pragma: no cover
+    from llama_cpp.llama_types import ChatCompletionRequestMessage
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +32,9 @@ class LlamaText:
         template = self._llm.metadata.get("tokenizer.chat_template")
         self._chat = None
         if template:
-            self._chat = Jinja2ChatFormatter(template=template, eos_token=self.token_text(self.eos),
-                                             bos_token=self.token_text(self.bos))
+            self._chat = Jinja2ChatFormatter(
+                template=template, eos_token=self.token_text(self.eos), bos_token=self.token_text(self.bos)
+            )
 
     def token_text(self, token: int) -> str:
         """A token's text, special tokens spelled out (e.g. "<|im_end|>")."""
@@ -48,14 +52,15 @@ class LlamaText:
         """The chat template applied to `messages` ({"role", "content"} each), as token ids."""
         if self._chat is None:
             raise ValueError("this model's GGUF has no chat template (tokenizer.chat_template): use /v1/completions")
-        prompt = self._chat(messages=list(messages)).prompt
+        # (llama-cpp-python types them as OpenAI's messages; the template reads the dicts as they are)
+        prompt = self._chat(messages=cast("list[ChatCompletionRequestMessage]", list(messages))).prompt
         # the template writes the BOS text itself where the model wants one
         return self.tokenize(prompt, add_bos=False)
 
     def detokenize_bytes(self, tokens: Sequence[int]) -> bytes:
         return bytes(self._llm.detokenize(list(tokens)))
 
-    def detokenizer(self) -> "Detokenizer":
+    def detokenizer(self) -> Detokenizer:
         return Detokenizer(self)
 
 
@@ -81,12 +86,12 @@ class Detokenizer:
             if need > back:
                 end -= back
             break
-        out = raw[self._emitted:end].decode("utf-8", errors="replace")
+        out = raw[self._emitted : end].decode("utf-8", errors="replace")
         self._emitted = end
         return out
 
     def flush(self) -> str:
         raw = self._text.detokenize_bytes(self._tokens)
-        out = raw[self._emitted:].decode("utf-8", errors="replace")
+        out = raw[self._emitted :].decode("utf-8", errors="replace")
         self._emitted = len(raw)
         return out
