@@ -30,6 +30,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --dflash2: the DFlash-2 shape tested against llama.cpp's own drafter (tests/hosts/test_native_dflash2.py)
+DFLASH2_PRESET = {"conv_kernel_size": 3, "conv_group_size": 32, "selector_rank": 32, "selector_top_k": 4}
+
+
+def add_dflash2_arguments(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("DFlash-2 (docs/dflash2.md; all four 0: a DFlash-1 drafter)")
+    d.add_argument(
+        "--dflash2",
+        action="store_true",
+        help="a DFlash-2 drafter of the preset shape "
+        + ", ".join(f"{k} {v}" for k, v in DFLASH2_PRESET.items())
+        + " (the flags below override it)",
+    )
+    for name in DFLASH2_PRESET:
+        d.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"DraftConfig.{name}")
+    d.add_argument(
+        "--selector-weight",
+        type=float,
+        default=1.0,
+        help="objective = block loss + SELECTOR_WEIGHT * selector loss (docs/training.md)",
+    )
+
+
+def dflash2_fields(args: argparse.Namespace, base: dict | None = None) -> dict[str, int]:
+    """The DraftConfig DFlash-2 fields the command line asks for over those of `base` (a draft
+    dict; --dflash2 starts from the preset instead); empty when it asks for none."""
+    given = {name: getattr(args, name) for name in DFLASH2_PRESET if getattr(args, name) is not None}
+    if not args.dflash2 and not given:
+        return {}
+    start = DFLASH2_PRESET if args.dflash2 else {name: (base or {}).get(name, 0) for name in DFLASH2_PRESET}
+    return {**start, **given}
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from ..hosts.llama_cpp.drafters import SMOLLM2_LAYER_IDS, smollm2_draft_config
     from ..hosts.smollm2 import smollm2_gguf
@@ -41,6 +74,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         mask_token_id=args.mask_token,
         target_layer_ids=list(SMOLLM2_LAYER_IDS),
+        **dflash2_fields(args),
     ).to_dict()
     cfg = TrainConfig(
         data=list(args.data),
@@ -53,6 +87,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         anchors_per_seq=args.anchors,
         lr=args.lr,
         gamma=args.gamma,
+        selector_weight=args.selector_weight,
         seed=args.seed,
         threads=args.threads,
         eval_data=args.eval_data,
@@ -121,6 +156,7 @@ def cmd_gpu_run(args: argparse.Namespace) -> int:
             mask_token_id=args.mask_token,
             target_layer_ids=list(SMOLLM2_LAYER_IDS),
         ).to_dict()
+    draft.update(dflash2_fields(args, draft))  # (DraftConfig checks the whole shape when the run builds it)
     recipe = TrainConfig(
         pack=args.pack,
         model=args.model,
@@ -138,6 +174,7 @@ def cmd_gpu_run(args: argparse.Namespace) -> int:
         seqs_per_step=args.seqs_per_step,
         anchors_per_seq=args.anchors,
         lr=args.lr,
+        selector_weight=args.selector_weight,
         warmup_steps=args.warmup,
         save_minutes=args.save_minutes,
         seed=args.seed,
@@ -194,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="train fc as if each feature column were normalised (measured: no gain; docs/training.md)",
     )
+    add_dflash2_arguments(t)
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
     t.add_argument("--threads", type=int, default=2)
@@ -238,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--anchors", type=int, default=64)
     r.add_argument("--lr", type=float, default=1e-3)
     r.add_argument("--warmup", type=int, default=100)
+    add_dflash2_arguments(r)
     r.add_argument("--save-minutes", type=float, default=1.5)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--device", default="cuda")

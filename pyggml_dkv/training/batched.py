@@ -5,11 +5,13 @@ all kernel launches, so here several sequences go through the drafter together: 
 are padded to one length, each sequence brings the same number of anchors (short ones repeat an
 anchor whose labels are then switched off), and the attention mask of objective.block_inputs is
 built per sequence. Padded context keys are never visible (an anchor p sees keys [0, p) only), so
-a batch computes what objective.sequence_loss computes for each of its sequences.
+a batch computes what objective.sequence_loss computes for each of its sequences, a DFlash-2
+drafter's selector loss included (objective.selector_terms).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,7 +20,7 @@ import torch
 from torch.nn import functional as F
 
 from .evaluate import replay_summary
-from .objective import anchor_range, simulated_rounds
+from .objective import anchor_range, blockwise_convolutions, draft_logits, is_dflash2, selector_terms, simulated_rounds
 
 if TYPE_CHECKING:  # pragma: no cover
     from dflash.model import DFlashDraftModel  # (no type information: Any to mypy)
@@ -126,8 +128,14 @@ def batch_hidden(
     blk_visible = (q_block[:, None] == q_block[None, :])[None].expand(s, -1, -1)
     visible = torch.cat([ctx_visible, blk_visible], dim=2)
     feats = corpus.features[rows_t, :ctx].float()
-    out = model(position_ids=pos, attention_mask=visible[:, None], noise_embedding=noise, target_hidden=feats)
+    with blockwise_convolutions(model, block):
+        out = model(position_ids=pos, attention_mask=visible[:, None], noise_embedding=noise, target_hidden=feats)
     return out.view(s, a, block, -1)
+
+
+def _head(lm_head: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The frozen lm_head as the callable the model's compute_logits applies (products in its dtype)."""
+    return lambda hidden: (hidden.to(lm_head.dtype) @ lm_head.T).float()
 
 
 def batch_labels(
@@ -155,12 +163,14 @@ def batch_loss(
     anchors: np.ndarray,
     real: np.ndarray,
     gamma: float,
+    selector_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict]:
-    """objective.sequence_loss over the whole batch: sum of weighted CE / sum of weights."""
+    """objective.sequence_loss over the whole batch: sum of weighted CE / sum of weights (for a
+    DFlash-2 drafter plus selector_weight times its selector loss, weighted alike)."""
     block = int(model.block_size)
     labels, valid = batch_labels(corpus, rows, anchors, real, block)
-    hidden = batch_hidden(model, embed, corpus, rows, anchors)[:, :, 1:]
-    logits = (hidden.reshape(-1, hidden.shape[-1]).to(lm_head.dtype) @ lm_head.T).float()
+    hidden = batch_hidden(model, embed, corpus, rows, anchors)[:, :, 1:].reshape(-1, model.config.hidden_size)
+    logits = draft_logits(model, _head(lm_head), hidden)
     ce = F.cross_entropy(logits, labels.reshape(-1), reduction="none").view(labels.shape)
     dev = ce.device
     w = torch.exp(-torch.arange(block - 1, dtype=torch.float32, device=dev) / gamma) * valid
@@ -168,11 +178,21 @@ def batch_loss(
     loss = (ce * w).sum() / total.clamp_min(1e-9)
     with torch.no_grad():
         correct = (logits.argmax(-1).view(labels.shape) == labels) & valid
-    return loss, {
+    stats = {
         "weight": float(total),
+        "block_loss": float(loss.detach()),
         "correct": correct[:, :, 0].sum().item(),
         "valid": valid[:, :, 0].sum().item(),
     }
+    if is_dflash2(model):
+        rows_t, anc = torch.from_numpy(rows).to(dev), torch.from_numpy(anchors).to(dev)
+        previous = torch.cat([corpus.tokens[rows_t[:, None], anc][:, :, None], labels[:, :, :-1]], dim=2)
+        sce, scorrect = selector_terms(model, hidden, logits, previous.reshape(-1), labels.reshape(-1))
+        selector_loss = (sce.view(labels.shape) * w).sum() / total.clamp_min(1e-9)
+        stats["selector_loss"] = float(selector_loss.detach())
+        stats["selector_correct"] = (scorrect.view(labels.shape) & valid)[:, :, 0].sum().item()
+        loss = loss + selector_weight * selector_loss
+    return loss, stats
 
 
 @torch.no_grad()
@@ -197,7 +217,14 @@ def batch_acceptance(
         real = np.stack([np.arange(width) < r.size for r in ranges])
         labels, valid = batch_labels(corpus, rows, anchors, real, block)
         hidden = batch_hidden(model, embed, corpus, rows, anchors)[:, :, 1:]
-        drafts = (hidden.to(lm_head.dtype) @ lm_head.T).float().argmax(-1)
+        if is_dflash2(model):  # the selector's greedy walk, as objective.predictions
+            anchor_ids = corpus.tokens[
+                torch.from_numpy(rows).to(hidden.device)[:, None], torch.from_numpy(anchors).to(hidden.device)
+            ]
+            path, _, _ = model.propose(hidden.flatten(0, 1), anchor_ids.reshape(-1), _head(lm_head), 0.0)
+            drafts = path.view(labels.shape)
+        else:
+            drafts = draft_logits(model, _head(lm_head), hidden).argmax(-1)
         accepted = torch.cumprod(((drafts == labels) & valid).long(), dim=2).sum(2).cpu().numpy()
         for r, (i, rng_) in enumerate(zip(rows, ranges)):
             acc = accepted[r, : rng_.size]

@@ -92,6 +92,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.selector_weight >= 0:
             raise ValueError(f"selector_weight must be >= 0, got {self.selector_weight}")
+        if self.selector_weight != 1.0 and not self.is_dflash2:
+            raise ValueError("selector_weight is a setting of a DFlash-2 drafter (draft with conv_kernel_size > 0)")
         if self.route == GPU:
             self._check_gpu_run()
 

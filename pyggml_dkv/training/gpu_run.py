@@ -261,6 +261,10 @@ def _run(r: TrainConfig, out: Path, runlog: RunLog) -> dict:
     models, opts, cfgs = [], [], []
     for n_layer in r.layers:
         cfg = drafter_config(r.draft, n_layer)
+        if cfg.is_dflash2 and lm_head.shape[0] != cfg.vocab:
+            raise ValueError(
+                f"the target's vocabulary {lm_head.shape[0]} is not the DFlash-2 drafter's vocab {cfg.vocab}"
+            )
         m = new_model(cfg, r.seed)
         if r.init is not None:
             start_from = read_weights(r.init)
@@ -279,7 +283,7 @@ def _run(r: TrainConfig, out: Path, runlog: RunLog) -> dict:
     t_stop = end - 60 * 0.4  # the rest is for the last save and its held-out replay
     runlog.write(phase="schedule", training_seconds=round(t_stop - t_train, 1))
     next_save = t_train + 60 * r.save_minutes
-    stats = [{"loss": 0.0, "n": 0, "correct": 0, "valid": 0} for _ in models]
+    stats = [_new_stats() for _ in models]
     record: dict = {}
     while True:
         now = time.monotonic()
@@ -295,11 +299,12 @@ def _run(r: TrainConfig, out: Path, runlog: RunLog) -> dict:
                 g["lr"] = lr
             opt.zero_grad(set_to_none=True)
             with torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss, s = batch_loss(m, embed, lm_head, corpus, rows, anchors, real, r.gamma)
+                loss, s = batch_loss(m, embed, lm_head, corpus, rows, anchors, real, r.gamma, r.selector_weight)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(m.parameters(), r.grad_clip)
             opt.step()
-            st["loss"] += float(loss.detach())
+            st["loss"] += s["block_loss"]
+            st["selector_loss"] += s.get("selector_loss", 0.0)
             st["n"] += 1
             st["correct"] += s["correct"]
             st["valid"] += s["valid"]
@@ -312,14 +317,21 @@ def _run(r: TrainConfig, out: Path, runlog: RunLog) -> dict:
                 "loss": [round(st["loss"] / st["n"], 4) for st in stats],
                 "acc1": [round(st["correct"] / max(1, st["valid"]), 4) for st in stats],
             }
+            if cfgs[0].is_dflash2:
+                record["selector_loss"] = [round(st["selector_loss"] / st["n"], 4) for st in stats]
             runlog.write(**record)
-            stats = [{"loss": 0.0, "n": 0, "correct": 0, "valid": 0} for _ in models]
+            stats = [_new_stats() for _ in models]
         if time.monotonic() > next_save:
             record = save_all(models, cfgs, held, embed, lm_head, out, step, start, runlog)
             next_save = time.monotonic() + 60 * r.save_minutes
     if record.get("phase") == "save" and record.get("step") == step:
         return record
     return save_all(models, cfgs, held, embed, lm_head, out, step, start, runlog)
+
+
+def _new_stats() -> dict[str, float]:
+    """One drafter's sums over a log interval: block and selector loss per step, first-row hits."""
+    return {"loss": 0.0, "selector_loss": 0.0, "n": 0, "correct": 0, "valid": 0}
 
 
 def save_all(

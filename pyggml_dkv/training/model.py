@@ -53,7 +53,7 @@ def qwen3_config(cfg: DraftConfig) -> transformers.Qwen3Config:
         num_attention_heads=cfg.n_head,
         num_key_value_heads=cfg.n_head_kv,
         head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab if cfg.is_dflash2 else max(cfg.vocab or 0, cfg.mask_token_id + 1, 32),
+        vocab_size=int(cfg.vocab or 0) if cfg.is_dflash2 else max(cfg.vocab or 0, cfg.mask_token_id + 1, 32),
         rms_norm_eps=cfg.rms_eps,
         max_position_embeddings=1 << 17,
         **extra,

@@ -47,9 +47,10 @@ class Frozen:
 
     @classmethod
     def from_arrays(cls, embed: np.ndarray, lm_head: np.ndarray) -> Frozen:
+        # (np.require copies a read-only array, e.g. a float32 tensor memory-mapped from a GGUF)
         return cls(
-            torch.from_numpy(np.ascontiguousarray(embed, np.float32)),
-            torch.from_numpy(np.ascontiguousarray(lm_head, np.float32)).to(torch.bfloat16),
+            torch.from_numpy(np.require(embed, np.float32, ["C", "W"])),
+            torch.from_numpy(np.require(lm_head, np.float32, ["C", "W"])).to(torch.bfloat16),
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -219,7 +220,12 @@ def sequence_loss(
     loss = (ce * w).sum() / total.clamp_min(1e-9)
     with torch.no_grad():
         correct = (logits.argmax(-1).view(labels.shape).numpy() == labels) & valid
-    stats = {"weight": float(total), "block_loss": float(loss.detach()), "correct": correct.sum(0), "valid": valid.sum(0)}
+    stats = {
+        "weight": float(total),
+        "block_loss": float(loss.detach()),
+        "correct": correct.sum(0),
+        "valid": valid.sum(0),
+    }
     if is_dflash2(model):
         previous = np.concatenate([tokens[anchors].astype(np.int64)[:, None], labels[:, :-1]], axis=1)
         sce, scorrect = selector_terms(model, hidden, logits, torch.from_numpy(previous.reshape(-1)), target)

@@ -54,6 +54,11 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim
     )
 
 
+def new_accumulator() -> dict[str, float]:
+    """Sums over one log interval: losses per step (n steps), first-row hits per valid label."""
+    return {"loss": 0.0, "selector_loss": 0.0, "n": 0, "correct": 0, "valid": 0, "selector_correct": 0}
+
+
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
@@ -88,6 +93,10 @@ def train(cfg: TrainConfig, *, max_steps: int | None = None) -> dict:
         raise ValueError(f"the target's hidden size {frozen.embed.shape[1]} is not the drafter's {dcfg.hidden}")
     if corpus.features.shape[1] != dcfg.fc_in:
         raise ValueError(f"the data's features are {corpus.features.shape[1]} wide, the drafter takes {dcfg.fc_in}")
+    if dcfg.is_dflash2 and frozen.lm_head.shape[0] != dcfg.vocab:
+        raise ValueError(
+            f"the target's vocabulary {frozen.lm_head.shape[0]} is not the DFlash-2 drafter's vocab {dcfg.vocab}"
+        )
     model = new_model(dcfg, cfg.seed)
     if cfg.init_layers:
         from ..hosts.llama_cpp.gguf import GGUFFile
@@ -115,7 +124,7 @@ def train(cfg: TrainConfig, *, max_steps: int | None = None) -> dict:
         cfg.anchors_per_seq,
     )
     with open(out / "log.jsonl", "a") as logf:
-        acc = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0}
+        acc = new_accumulator()
         t0 = time.monotonic()
         record: dict[str, Any] = {}
         stop = total if max_steps is None else min(total, step + max_steps)
@@ -127,7 +136,7 @@ def train(cfg: TrainConfig, *, max_steps: int | None = None) -> dict:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, cfg)
             opt.zero_grad(set_to_none=True)
-            weights, losses = [], []
+            weights, losses, selector_losses = [], [], []
             for i in batch:
                 tokens, feats, greedy, plen = corpus.sequence(int(i))
                 anchors = anchor_range(tokens.size, plen)
@@ -137,14 +146,19 @@ def train(cfg: TrainConfig, *, max_steps: int | None = None) -> dict:
                     rng = np.random.default_rng([cfg.seed, step, int(i)])
                     anchors = np.sort(rng.choice(anchors, cfg.anchors_per_seq, replace=False))
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                    loss, st = sequence_loss(model, frozen, tokens, feats, greedy, anchors, cfg.gamma)
+                    loss, st = sequence_loss(
+                        model, frozen, tokens, feats, greedy, anchors, cfg.gamma, cfg.selector_weight
+                    )
                 if st["weight"] == 0:
                     continue
                 (loss * st["weight"]).backward()
                 weights.append(st["weight"])
-                losses.append(float(loss.detach()) * st["weight"])
+                losses.append(st["block_loss"] * st["weight"])
+                selector_losses.append(st.get("selector_loss", 0.0) * st["weight"])
                 acc["correct"] += int(st["correct"][0])
                 acc["valid"] += int(st["valid"][0])
+                if "selector_correct" in st:
+                    acc["selector_correct"] += int(st["selector_correct"][0])
             if weights:
                 scale = 1.0 / sum(weights)
                 for p in model.parameters():
@@ -153,6 +167,7 @@ def train(cfg: TrainConfig, *, max_steps: int | None = None) -> dict:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 opt.step()
                 acc["loss"] += sum(losses) * scale
+                acc["selector_loss"] += sum(selector_losses) * scale
                 acc["n"] += 1
             step += 1
             if step % cfg.log_every == 0 or step == stop:
@@ -165,18 +180,26 @@ def train(cfg: TrainConfig, *, max_steps: int | None = None) -> dict:
                     "acc1": acc["correct"] / max(1, acc["valid"]),
                     "seconds": round(time.monotonic() - t0, 1),
                 }
+                if dcfg.is_dflash2:
+                    record["selector_loss"] = acc["selector_loss"] / max(1, acc["n"])
+                    record["selector_acc1"] = acc["selector_correct"] / max(1, acc["valid"])
                 log.info(
-                    "step %d/%d loss %.4f acc@1 %.3f lr %.2e (%.0f s)",
+                    "step %d/%d loss %.4f acc@1 %.3f%s lr %.2e (%.0f s)",
                     step,
                     total,
                     record["loss"],
                     record["acc1"],
+                    (
+                        f" selector loss {record['selector_loss']:.4f} acc@1 {record['selector_acc1']:.3f}"
+                        if dcfg.is_dflash2
+                        else ""
+                    ),
                     record["lr"],
                     record["seconds"],
                 )
                 logf.write(json.dumps(record) + "\n")
                 logf.flush()
-                acc = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0}
+                acc = new_accumulator()
             if step % cfg.save_every == 0 or step == stop:
                 save(model, opt, step, out, dcfg)
                 if held_out is not None:
