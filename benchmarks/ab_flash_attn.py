@@ -27,16 +27,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_step.py
 import numpy as np  # noqa: E402
 
 from pyggml_dkv.ggml import (  # noqa: E402
-    DKV_BUFFER_TYPE,
     Backend,
     Buffer,
     Context,
     Gallocr,
     Graph,
     cpu_extra_buffer_types,
-    dkv_buffer_available,
-    flash_attn_kernel,
 )
+from pyggml_dkv.ggml.capabilities import DKV_BUFFER_TYPE, dkv_buffer_available, flash_attn_kernel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)

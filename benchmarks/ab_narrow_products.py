@@ -25,7 +25,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_step.py
 import numpy as np  # noqa: E402
 
 from pyggml_dkv.ggml import (  # noqa: E402
-    DKV_BUFFER_TYPE,
     Backend,
     Buffer,
     Context,
@@ -33,9 +32,8 @@ from pyggml_dkv.ggml import (  # noqa: E402
     Graph,
     bf16_matmul_kernel,
     cpu_extra_buffer_types,
-    dkv_buffer_available,
-    f16_matmul_kernel,
 )
+from pyggml_dkv.ggml.capabilities import DKV_BUFFER_TYPE, dkv_buffer_available, f16_matmul_kernel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)

@@ -8,7 +8,6 @@ import numpy as np
 
 from pyggml_dkv.common.bf16 import from_bf16_bits, to_bf16_bits
 from pyggml_dkv.ggml import (
-    DKV_BUFFER_TYPE,
     Backend,
     Buffer,
     Context,
@@ -16,9 +15,9 @@ from pyggml_dkv.ggml import (
     Graph,
     Tensor,
     cpu_extra_buffer_types,
-    dkv_buffer_available,
 )
 from pyggml_dkv.ggml._lowlevel import lib
+from pyggml_dkv.ggml.capabilities import DKV_BUFFER_TYPE, dkv_buffer_available
 
 NEOX = int(lib.GGML_ROPE_TYPE_NEOX)
 RNG_SEED = 1234

@@ -24,9 +24,9 @@ from pyggml_dkv.ggml import (
     bf16_matmul_kernel,
     bf16_products_on_fma,
     cpu_extra_buffer_types,
-    dkv_buffer_available,
     vnni_available,
 )
+from pyggml_dkv.ggml.capabilities import dkv_buffer_available
 from tests.child import run_in_child
 from tests.ggml.helpers import mul_mat_rows
 

@@ -17,9 +17,8 @@ from pyggml_dkv.ggml import (
     Backend,
     Context,
     bf16_matmul_kernel,
-    f16_matmul_kernel,
-    flash_attn_kernel,
 )
+from pyggml_dkv.ggml.capabilities import f16_matmul_kernel, flash_attn_kernel
 from pyggml_dkv.reference import attention, rope_neox
 from tests.ggml.helpers import NEOX, as_bf16, compute
 

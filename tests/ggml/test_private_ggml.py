@@ -105,7 +105,7 @@ def test_capability_query_knows_every_name_the_build_recorded():
     recorded = {name for name in ffi.string(lib.pyggml_dkv_build_capabilities()).decode().split(",") if name}
     reported = pyggml_dkv.ggml.built_capabilities()
     if "rpc" not in pyggml_dkv.ggml.built_backends():
-        recorded.discard(pyggml_dkv.ggml.RPC_ERRORS_FIX)  # reported only where the RPC backend was built
+        recorded.discard(pyggml_dkv.ggml.capabilities.RPC_ERRORS_FIX)  # reported only where the RPC backend was built
     assert reported == recorded
     assert all(re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name) for name in reported)
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing
-from pyggml_dkv.ggml import GRAPH_UID_FIX, Buffer, Context, Gallocr, GGMLError, Graph, built_capabilities
+from pyggml_dkv.ggml import Buffer, Context, Gallocr, GGMLError, Graph, built_capabilities
+from pyggml_dkv.ggml.capabilities import GRAPH_UID_FIX
 from pyggml_dkv.serving.traffic import CountingRelay
 
 SMALL = DraftConfig(
