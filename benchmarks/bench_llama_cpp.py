@@ -287,7 +287,7 @@ class Ours:
         counts: dict[str, int] = {}
         for t in [t for t in self.bw.tensors.values() if t.ne[1] > 1] + [self.head]:
             buffer = t.buffer_name
-            if buffer == "CPU_REPACK":
+            if buffer in ("CPU_DKV_REPACK", "CPU_REPACK"):
                 kernel = cpu_repack_kernel(t.type, t.ne)
             elif buffer == "AMX":
                 kernel = f"{t.type} on ggml's AMX int8 tiles"

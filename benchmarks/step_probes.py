@@ -171,7 +171,7 @@ def kernels_used(
             "avx512_fma": ("bf16 weights x f32 rows, AVX-512 FMA (patch 0041)", "vfmadd231ps"),
             "avx2_fma": ("bf16 weights x f32 rows, AVX2 FMA (patch 0042)", None),
         }.get(bf16_matmul_kernel(ne), ("ggml bf16 (llamafile tinyBLAS / vec_dot)", None))
-    elif kinds == ("AMX", "CPU_REPACK"):  # backend_weights.VNNI_OVER_AMX_NARROW
+    elif kinds == ("AMX", "CPU_DKV_REPACK"):  # backend_weights.VNNI_OVER_AMX_NARROW
         mm = (
             "q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (patch 0010); the bulk appends' copies of fc / k_proj / "
             "v_proj on AMX int8 tiles (patches 0002, 0007)",
@@ -179,7 +179,7 @@ def kernels_used(
         )
     elif kinds == ("AMX",):
         mm = ("q8_0 on AMX int8 tiles (patches 0002, 0007)", None)
-    elif kinds == ("CPU_REPACK",):
+    elif kinds == ("CPU_DKV_REPACK",):
         mm = ("q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (patch 0010)", "vpdpbusd")
     else:
         mm = ("ggml generic q8_0 (vec_dot / llamafile tinyBLAS)", None)

@@ -48,6 +48,16 @@ static const char kernels[] = ""
 #if defined(PYGGML_DKV_HAS_MM_HALF_AVX2) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
     ",mm-half-avx2"     /* mm-half-avx2.cpp: f16 / bf16 x <= 64 f32 columns on AVX2 FMAs */
 #endif
+#if defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER) && defined(PYGGML_DKV_HAS_CPU_DKV_HOOK)
+    ",dkv-repack-buffer" /* vendor/kernels/repack.cpp: the CPU_DKV_REPACK extra buffer type */
+#endif
+/* the int8 products of weights repacked in CPU_DKV_REPACK buffers (vendor/kernels/mm-vnni.h) */
+#if defined(PYGGML_DKV_HAS_VNNI_Q8_0) && defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER)
+    ",vnni-q8_0"        /* mm-vnni-q8_0.cpp: q8_0 in 16-row groups, vpdpbusd (AVX512-VNNI) */
+#endif
+#if defined(PYGGML_DKV_HAS_VNNI_Q4_0) && defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER)
+    ",vnni-q4_0"        /* mm-vnni-q4_0.cpp: q4_0 in 16-row groups, vpdpbusd (AVX512-VNNI) */
+#endif
 /* flash attention over K/V caches in CPU_DKV buffers (vendor/kernels/flash-attn.h) */
 #if defined(PYGGML_DKV_HAS_FA_TILED) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
     ",fa-tiled"         /* flash-attn-tiled.cpp: f32 64 x 64 tiles from 8 query rows (AVX-512) */

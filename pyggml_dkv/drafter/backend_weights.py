@@ -23,7 +23,7 @@ from ..ggml.capabilities import (
     amx_available,
     amx_fits,
     cpu_extra_buffer_types,
-    cpu_repack_fits,
+    cpu_repack_buffer,
     dkv_buffer_available,
     vnni_available,
     vnni_repack_fits,
@@ -90,13 +90,14 @@ def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: i
 
 def repack_buffer(backend: Backend, dtype: str, out_features: int, in_features: int, bulk: bool = True) -> str | None:
     """The repacking buffer type an (out, in) `dtype` matrix that is only ever multiplied goes to:
-    "AMX" (ggml's AMX kernels), else "CPU_REPACK" (our AVX512-VNNI kernels for q8_0 / q4_0 / q4_K /
-    q5_K / q6_K, old patches 0010, 0020-0022; ggml's own AVX2 ones for other q4_0 / q4_K shapes:
-    capabilities.cpu_repack_kernel), else None (an ordinary buffer). `bulk`: as amx_eligible."""
+    "AMX" (ggml's AMX kernels), else "CPU_DKV_REPACK" (our AVX512-VNNI kernels for q8_0 / q4_0 /
+    q4_K / q5_K / q6_K, old patches 0010, 0020-0022), else "CPU_REPACK" (ggml's own AVX2 ones for
+    other q4_0 / q4_K shapes: capabilities.cpu_repack_buffer / cpu_repack_kernel), else None (an
+    ordinary buffer). `bulk`: as amx_eligible."""
     if amx_eligible(backend, dtype, out_features, in_features, bulk):
         return "AMX"
-    if backend.is_cpu and cpu_repack_fits(dtype, (in_features, out_features)):
-        return "CPU_REPACK"
+    if backend.is_cpu:
+        return cpu_repack_buffer(dtype, (in_features, out_features))
     return None
 
 
@@ -125,7 +126,7 @@ class BackendWeights:
 
     With `repack` (default) and q8_0 weights on a CPU with AMX, the matrices go to ggml's AMX
     buffer, which lays them out for its int8 tile kernels as they are uploaded; on a CPU without
-    AMX but with AVX512-VNNI, to the CPU_REPACK buffer for the VNNI kernel of old patch 0010
+    AMX but with AVX512-VNNI, to our CPU_DKV_REPACK buffer for the VNNI kernel of old patch 0010
     (both much faster than the generic q8_0 path: benchmarks/README.md). With `dtype="native"`, a
     file's q4_0 / q4_K / q5_K / q6_K matrices go there too, for our VNNI kernels of those types
     (old patches 0020-0022), or for ggml's interleaved AVX2 kernels (q4_0 / q4_K shapes ours do not
@@ -160,7 +161,7 @@ class BackendWeights:
         self.repack = repack
         # every weight matrix is only ever the matrix of a mul_mat, so all that fit may be repacked,
         # each into the repacking buffer its type and shape go to for a step's few rows (a file may mix
-        # types: q4_K matrices in CPU_REPACK beside q8_0 ones in AMX); the others stay in the ordinary
+        # types: q4_K matrices in CPU_DKV_REPACK beside q8_0 ones in AMX); the others stay in the ordinary
         # buffer. The fold-in's matrices, which a bulk append multiplies by hundreds of rows, get a
         # second copy where the kernel for those differs (q8_0 on AMX CPUs: `bulk`)
         types = {n: self._matrix_type(weights, n, dtype) for n, a in weights.items() if a.ndim == 2 and not is_norm(n)}
@@ -177,7 +178,7 @@ class BackendWeights:
         kinds = {n: k for n, k in step_kinds.items() if k is not None}
         placed = [*kinds.values(), *bulk_kinds.values()]
         self.ctx = Context(n_tensors=len(weights) - len(kinds) + 1)
-        # the extra buffer types' tensors: the repacking ones ("AMX", "CPU_REPACK"), then ours
+        # the extra buffer types' tensors: the repacking ones (REPACKING_BUFFER_TYPES), then CPU_DKV
         self.extra_ctxs: dict[str, Context] = {
             k: Context(n_tensors=placed.count(k) + 1) for k in (*REPACKING_BUFFER_TYPES, DKV_BUFFER_TYPE) if k in placed
         }
@@ -315,7 +316,7 @@ def upload_matrix(
     """Upload one (out, in) matrix (e.g. an lm_head or token embedding) into its own buffer.
 
     `matmul_only`: the matrix is only ever multiplied (an lm_head, not an embedding table read
-    with get_rows), so it may be repacked (AMX, CPU_REPACK) like BackendWeights' matrices; as a
+    with get_rows), so it may be repacked (AMX, CPU_DKV_REPACK, CPU_REPACK) like BackendWeights' matrices; as a
     step's few rows multiply it (repack_buffer's `bulk=False`: q8_0 goes to VNNI on AMX CPUs too).
     """
     arr = np.asarray(array)

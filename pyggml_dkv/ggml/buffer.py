@@ -12,12 +12,14 @@ from .backend import Backend
 from .capabilities import (
     AMX_TYPES,
     DKV_BUFFER_TYPE,
+    DKV_REPACK_BUFFER_TYPE,
     REPACKING_BUFFER_TYPES,
     amx_fits,
     cpu_extra_buffer_types,
-    cpu_repack_fits,
     cpu_repack_takes,
     dkv_buffer_available,
+    ggml_repack_fits,
+    vnni_repack_fits,
 )
 from .context import Context
 from .errors import GGMLError, RemoteBackendError
@@ -82,17 +84,19 @@ class Buffer(Owned):
                         f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the AMX buffer: "
                         f"it takes 2-D {'/'.join(AMX_TYPES)} matrices whose two sizes are multiples of 32"
                     )
-        elif name == "CPU_REPACK":
-            # only the layouts we test (cpu_repack_fits): a tensor no layout takes would crash ggml
-            # on upload, and ggml's other layouts are untested here
+        elif name in (DKV_REPACK_BUFFER_TYPE, "CPU_REPACK"):
+            # only the layouts we test (ours: vnni_repack_fits; ggml's: ggml_repack_fits): a tensor
+            # no layout takes would crash ggml's CPU_REPACK on upload (ours refuses the allocation),
+            # and ggml's other layouts are untested here
+            fits = vnni_repack_fits if name == DKV_REPACK_BUFFER_TYPE else ggml_repack_fits
             for t in ctx.tensors():
-                if not t.is_allocated and not cpu_repack_fits(t.type, t.ne):
+                if not t.is_allocated and not fits(t.type, t.ne):
                     raise ValueError(
-                        f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the CPU_REPACK buffer "
-                        f"on this CPU: it takes {cpu_repack_takes()}"
+                        f"tensor {t.name!r} ({t.type}, ne={t.ne}) cannot live in the {name} buffer "
+                        f"on this CPU: it takes {cpu_repack_takes(name)}"
                     )
         elif name in REPACKING_BUFFER_TYPES:
-            raise GGMLError(f"the {name} buffer type is not supported by pyggml_dkv (only AMX and CPU_REPACK are)")
+            raise GGMLError(f"the {name} buffer type is not supported by pyggml_dkv")
         handle = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx.handle, buffer_type)
         return cls(handle, backend, ctx)
 

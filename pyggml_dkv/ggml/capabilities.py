@@ -111,9 +111,11 @@ def default_n_threads() -> int:
 
 
 # The CPU backend's "extra" buffer types rewrite a weight matrix into the layout of a faster kernel
-# as it is uploaded (AMX: int8 tiles for q8_0 / q4_0 on Xeons with AMX). Tensors stored there can
-# only be written whole and used as the matrix of a matrix product: ggml cannot read them back.
-REPACKING_BUFFER_TYPES = ("AMX", "CPU_REPACK")
+# as it is uploaded (AMX: int8 tiles for q8_0 / q4_0 on Xeons with AMX; CPU_DKV_REPACK: our
+# AVX512-VNNI layouts; CPU_REPACK: ggml's interleaved q4_0 / q4_K). Tensors stored there can only
+# be written whole and used as the matrix of a matrix product: ggml cannot read them back.
+DKV_REPACK_BUFFER_TYPE = "CPU_DKV_REPACK"
+REPACKING_BUFFER_TYPES = ("AMX", DKV_REPACK_BUFFER_TYPE, "CPU_REPACK")
 # weight types with AMX kernels in ggml (amx/common.h: qtype_has_amx_kernels) that we can quantize
 AMX_TYPES = ("q8_0", "q4_0")
 
@@ -163,6 +165,8 @@ GRAPH_UID_FIX = "graph-uid"
 CPU_DKV_HOOK = "cpu-dkv-hook"
 DKV_BUFFER_KERNEL = "dkv-buffer"
 DKV_BUFFER_TYPE = "CPU_DKV"
+# our repacking buffer type, "CPU_DKV_REPACK" (DKV_REPACK_BUFFER_TYPE, above): the VNNI layouts below
+DKV_REPACK_KERNEL = "dkv-repack-buffer"
 # ggml's node barrier spins a few pauses, then sleeps on a futex, also in OpenMP builds (P2)
 BARRIER_FUTEX = "barrier-futex"
 # f16 weights times up to 64 f32 columns on AVX-512 FMAs (our narrow product; ggml rounds the
@@ -355,18 +359,19 @@ def amx_available() -> bool:
     return "AMX" in cpu_extra_buffer_types()
 
 
-# q8_0 weights repacked for our AVX512-VNNI kernel in a repacking buffer: the fast q8_0 path of CPUs
-# without AMX (AMD Zen 4/5, Intel Ice Lake .. Cascade Lake with VNNI). Its layout groups 16 output
-# rows, so matrices need out % 16 == 0 and in % 32 == 0 (vnni_fits).
+# q8_0 weights repacked for our AVX512-VNNI kernel in our repacking buffer (CPU_DKV_REPACK): the
+# fast q8_0 path of CPUs without AMX (AMD Zen 4/5, Intel Ice Lake .. Cascade Lake with VNNI). Its
+# layout groups 16 output rows, so matrices need out % 16 == 0 and in % 32 == 0 (vnni_fits).
 VNNI_KERNEL = "vnni-q8_0"
 
 
 def vnni_available() -> bool:
-    """True when ggml carries the VNNI q8_0 kernel (VNNI_KERNEL) and was compiled for AVX512-VNNI."""
+    """True when ggml carries the VNNI q8_0 kernel (VNNI_KERNEL) in our CPU_DKV_REPACK buffer type
+    and was compiled for AVX512-VNNI."""
     return (
         VNNI_KERNEL in built_capabilities()
         and bool(lib.ggml_cpu_has_avx512_vnni())
-        and "CPU_REPACK" in cpu_extra_buffer_types()
+        and DKV_REPACK_BUFFER_TYPE in cpu_extra_buffer_types()
     )
 
 
@@ -394,10 +399,10 @@ def ggml_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
     )
 
 
-# Our other layouts for that VNNI scheme, in the same buffer: q6_K (the head and some matrices of
+# Our other layouts for that VNNI scheme, in the same buffer (CPU_DKV_REPACK): q6_K (the head and some matrices of
 # Q4_K_M drafters; the codes one per byte), q4_K (most of a Q4_K_M drafter's matrices), q5_K and
 # q4_0. Each takes 2-D matrices of whole blocks and 16-row groups; other whole 8-row groups of
-# q4_0 / q4_K go to ggml's own AVX2 layouts.
+# q4_0 / q4_K go to ggml's own AVX2 layouts (its CPU_REPACK buffer).
 Q6_VNNI_KERNEL = "vnni-q6_k"
 Q4_VNNI_KERNEL = "vnni-q4_k"
 Q5_VNNI_KERNEL = "vnni-q5_k"
@@ -423,16 +428,26 @@ def vnni_fits(type_name: str, ne: tuple[int, ...]) -> bool:
 
 
 def vnni_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
-    """Can the CPU_REPACK buffer hold this tensor for one of our VNNI kernels here: vnni_fits, the
-    type's kernel built, AVX512-VNNI?"""
+    """Can our CPU_DKV_REPACK buffer hold this tensor for one of our VNNI kernels here: vnni_fits,
+    the type's kernel built, AVX512-VNNI?"""
     return vnni_fits(type_name, ne) and vnni_available() and VNNI_LAYOUTS[type_name.lower()][0] in built_capabilities()
 
 
+def cpu_repack_buffer(type_name: str, ne: tuple[int, ...]) -> str | None:
+    """The repacking CPU buffer type (no AMX) this tensor goes to here: CPU_DKV_REPACK for one of our
+    VNNI kernels (vnni_repack_fits), else CPU_REPACK for ggml's own interleaved q4_0 / q4_K ones
+    (ggml_repack_fits), else None. Type names in any case ("q4_k", "q4_K")."""
+    if vnni_repack_fits(type_name, ne):
+        return DKV_REPACK_BUFFER_TYPE
+    if ggml_repack_fits(type_name, ne):
+        return "CPU_REPACK"
+    return None
+
+
 def cpu_repack_kernel(type_name: str, ne: tuple[int, ...]) -> str | None:
-    """The kernel the CPU_REPACK buffer would lay this tensor out for here, in words, or None when
-    it cannot hold it: one of our VNNI kernels (VNNI_LAYOUTS), else ggml's own interleaved ones for
-    q4_0 / q4_K. The order is ggml's own (src/ggml-cpu/repack.cpp, ggml_repack_get_optimal_repack_type).
-    Type names in any case ("q4_k", "q4_K")."""
+    """The kernel this tensor would be laid out for here in a repacking CPU buffer (cpu_repack_buffer),
+    in words, or None when neither holds it: one of our VNNI kernels (VNNI_LAYOUTS, CPU_DKV_REPACK),
+    else ggml's own interleaved ones for q4_0 / q4_K (CPU_REPACK). Type names in any case."""
     type_name = type_name.lower()
     if vnni_repack_fits(type_name, ne):
         return f"{type_name.replace('_k', '_K')} VNNI ({VNNI_LAYOUTS[type_name][0]})"
@@ -442,22 +457,26 @@ def cpu_repack_kernel(type_name: str, ne: tuple[int, ...]) -> str | None:
 
 
 def cpu_repack_fits(type_name: str, ne: tuple[int, ...]) -> bool:
-    """Will the CPU_REPACK buffer lay this tensor out for a kernel here (cpu_repack_kernel)?"""
-    return cpu_repack_kernel(type_name, ne) is not None
+    """Will a repacking CPU buffer (CPU_DKV_REPACK or CPU_REPACK) lay this tensor out for a kernel
+    here (cpu_repack_buffer)?"""
+    return cpu_repack_buffer(type_name, ne) is not None
 
 
-def cpu_repack_takes() -> str:
-    """What the CPU_REPACK buffer takes on this CPU, in words (for error messages)."""
-    kinds = [
-        f"{t} with whole {block}-value blocks and 16-row groups (VNNI)"
-        for t, (kernel, block) in VNNI_LAYOUTS.items()
-        if vnni_available() and kernel in built_capabilities()
-    ]
-    kinds += [
-        f"{t} with whole 8-row groups"
-        for t, feature in GGML_REPACK_TYPES.items()
-        if getattr(lib, f"ggml_cpu_has_{feature}")()
-    ]
+def cpu_repack_takes(buffer: str) -> str:
+    """What the `buffer` repacking CPU buffer ("CPU_DKV_REPACK", "CPU_REPACK") takes on this CPU, in
+    words (for error messages)."""
+    if buffer == DKV_REPACK_BUFFER_TYPE:
+        kinds = [
+            f"{t} with whole {block}-value blocks and 16-row groups (VNNI)"
+            for t, (kernel, block) in VNNI_LAYOUTS.items()
+            if vnni_available() and kernel in built_capabilities()
+        ]
+    else:
+        kinds = [
+            f"{t} with whole 8-row groups"
+            for t, feature in GGML_REPACK_TYPES.items()
+            if getattr(lib, f"ggml_cpu_has_{feature}")()
+        ]
     return "2-D matrices of " + (", or ".join(kinds) if kinds else "no type")
 
 

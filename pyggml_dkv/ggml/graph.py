@@ -109,7 +109,7 @@ class Graph:
                 )
                 if not ok:
                     raise GGMLError(
-                        f"{node.op} node {node.name!r} reads {name!r}, which is stored repacked (AMX or CPU_REPACK buffer): "
+                        f"{node.op} node {node.name!r} reads {name!r}, which is stored repacked (AMX, CPU_DKV_REPACK or CPU_REPACK buffer): "
                         "only a matrix product (mul_mat) of the whole tensor by contiguous f32 rows on the "
                         "CPU backend can use it; upload that tensor with repack=False"
                     )

@@ -185,7 +185,7 @@ class Tensor:
         if self.is_repacked:
             raise GGMLError(
                 f"cannot {what} tensor {self.name!r}: it is stored repacked for a CPU kernel "
-                "(AMX or CPU_REPACK buffer), so it can only be written whole with set(), never read back"
+                "(AMX, CPU_DKV_REPACK or CPU_REPACK buffer), so it can only be written whole with set(), never read back"
             )
 
     def _to_bytes(self, array: Any) -> Any:

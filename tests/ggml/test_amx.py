@@ -65,7 +65,7 @@ def test_no_amx_environment_switch(cpu, monkeypatch):
     assert not amx_available()
     with _weights().to_backend(cpu, "q8_0") as bw:
         # no AMX buffer; the VNNI kernel (patch 0010) takes q8_0 where ggml was compiled for it
-        assert bw.repack_kind == ("CPU_REPACK" if vnni_available() else None)
+        assert bw.repack_kind == ("CPU_DKV_REPACK" if vnni_available() else None)
         assert "AMX" not in {b.name for b in bw.buffers}
 
 
@@ -76,7 +76,7 @@ def test_q8_0_matrices_go_to_the_repacking_buffers(cpu):
     with w.to_backend(cpu, "q8_0") as bw:
         matrices = [n for n, a in w.items() if a.ndim == 2]
         assert bw.n_repacked == len(matrices) > 0
-        assert {b.name for b in bw.buffers} == {"CPU", "AMX"} | ({"CPU_REPACK"} if vnni_available() else set())
+        assert {b.name for b in bw.buffers} == {"CPU", "AMX"} | ({"CPU_DKV_REPACK"} if vnni_available() else set())
         assert all(bw[n].is_repacked for n in matrices)
         assert not any(bw[n].is_repacked for n, a in w.items() if a.ndim == 1)  # norms stay readable
         norm = next(n for n, a in w.items() if a.ndim == 1)
@@ -105,7 +105,10 @@ def test_graph_reading_a_repacked_tensor_other_than_by_mul_mat_is_refused(cpu):
         rows = ids_ctx.new_tensor("i32", 2)
         graph = Graph(g, 32)
         graph.expand(g.get_rows(table, rows))
-        with Gallocr(cpu) as galloc, pytest.raises(GGMLError, match="emb.*stored repacked .AMX or CPU_REPACK buffer."):
+        with (
+            Gallocr(cpu) as galloc,
+            pytest.raises(GGMLError, match="emb.*stored repacked .AMX, CPU_DKV_REPACK or CPU_REPACK buffer."),
+        ):
             galloc.alloc_graph(graph)
     # an embedding table (read with get_rows) is never repacked by upload_matrix
     table2, buf2 = upload_matrix(cpu, np.ones((64, 64), np.float32), "q8_0", "emb")
@@ -259,8 +262,9 @@ def test_amx_buffer_refuses_tensors_its_kernels_cannot_hold(cpu, ty, ne):
 
 
 def test_cpu_repack_refuses_q8_0_without_the_vnni_kernel(cpu, monkeypatch):
-    """Where our VNNI kernel is absent (no AVX512-VNNI, or a build without patch 0010) ggml has no
-    q8_0 layout in CPU_REPACK on x86: uploading one there would crash it. A clear error instead."""
+    """ggml has no q8_0 layout in its CPU_REPACK on x86 (ours is in CPU_DKV_REPACK, and absent without
+    AVX512-VNNI or in a build without vnni-q8_0): uploading one there would crash it. A clear error
+    instead."""
     import pyggml_dkv.ggml.capabilities as C
     from pyggml_dkv.ggml import Buffer
 
@@ -344,7 +348,7 @@ def test_q8_0_steps_on_vnni_bulk_appends_on_amx(cpu):
     if not vnni_available():
         pytest.skip("no VNNI kernels in this build")
     assert repack_buffer(cpu, "q8_0", 1024, 1024) == "AMX"
-    assert repack_buffer(cpu, "q8_0", 1024, 1024, bulk=False) == "CPU_REPACK"
+    assert repack_buffer(cpu, "q8_0", 1024, 1024, bulk=False) == "CPU_DKV_REPACK"
     cfg = DraftConfig(
         hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8, n_target_layers=2
     )
@@ -355,13 +359,13 @@ def test_q8_0_steps_on_vnni_bulk_appends_on_amx(cpu):
         matrices = {name for name, t in bw.tensors.items() if t.ne[1] > 1}
         fold_in = {n for n in matrices if n == "fc.weight" or n.endswith(("k_proj.weight", "v_proj.weight"))}
         assert len(fold_in) == 1 + 2 * cfg.n_layer
-        assert {bw.tensors[n].buffer_name for n in matrices} == {"CPU_REPACK"}
+        assert {bw.tensors[n].buffer_name for n in matrices} == {"CPU_DKV_REPACK"}
         assert set(bw.bulk_tensors) == fold_in and {t.buffer_name for t in bw.bulk_tensors.values()} == {"AMX"}
         assert (
             bw.bulk["fc.weight"] is bw.bulk_tensors["fc.weight"]
             and bw.bulk["layers.0.mlp.up_proj.weight"] is bw["layers.0.mlp.up_proj.weight"]
         )
-        assert bw.repack_kinds == ("AMX", "CPU_REPACK")
+        assert bw.repack_kinds == ("AMX", "CPU_DKV_REPACK")
         t, buf = upload_matrix(cpu, head, "q8_0", "lm_head", matmul_only=True)
         read_by_bulk = []
         real_append_rows = bulk_module.L.append_rows
@@ -371,13 +375,13 @@ def test_q8_0_steps_on_vnni_bulk_appends_on_amx(cpu):
             return real_append_rows(g, w, *args)
 
         try:
-            assert t.buffer_name == "CPU_REPACK"
+            assert t.buffer_name == "CPU_DKV_REPACK"
             ring = FeatureRing(64, cfg.fc_in)
             ring.append(rng.standard_normal((60, cfg.fc_in)).astype(np.float32))
             noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
             bulk_module.L.append_rows = spy
             with DraftKvCache(bw, cpu, 32, lm_head=t) as cache:
-                assert set(read_by_bulk) == {"CPU_REPACK"}  # the step graphs' fold-ins, built at init
+                assert set(read_by_bulk) == {"CPU_DKV_REPACK"}  # the step graphs' fold-ins, built at init
                 read_by_bulk.clear()
                 got = cache.step(ring, 60, noise)  # 60 rows: a bulk append (AMX) and a step (VNNI)
             assert read_by_bulk == ["AMX"]
@@ -420,7 +424,7 @@ def test_q4_0_prefers_our_vnni_kernel_to_ggmls_amx_one(cpu, monkeypatch):
 
     if not vnni_available():
         pytest.skip("no VNNI kernels in this build")
-    assert repack_buffer(cpu, "q4_0", 1024, 1024) == "CPU_REPACK"
+    assert repack_buffer(cpu, "q4_0", 1024, 1024) == "CPU_DKV_REPACK"
     assert repack_buffer(cpu, "q8_0", 1024, 1024) == "AMX"
     kernels = C.built_capabilities() - {C.Q4_0_VNNI_KERNEL}
     monkeypatch.setattr(C, "built_capabilities", lambda: kernels)

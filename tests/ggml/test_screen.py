@@ -14,7 +14,7 @@ from pyggml_dkv.ggml.screen import screen_bounds
 from tests.ggml.helpers import RNG_SEED
 
 # where the screen's q8_0 product runs: ggml's generic kernel, our VNNI one, ggml's AMX tiles
-REPACK = [False] + (["CPU_REPACK"] if vnni_available() else []) + (["AMX"] if amx_available() else [])
+REPACK = [False] + (["CPU_DKV_REPACK"] if vnni_available() else []) + (["AMX"] if amx_available() else [])
 
 
 class ScreenedArgmax:

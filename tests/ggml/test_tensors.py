@@ -199,10 +199,10 @@ def test_placing_refuses_what_would_break(cpu, rng):
         with pytest.raises(ValueError, match="64-byte aligned"):
             out.place_in(raw[1:].reshape(6, 5))
     # a matrix stored repacked for a CPU kernel holds no numpy layout
-    if "CPU_REPACK" in cpu_extra_buffer_types() and cpu_repack_fits("q8_0", (64, 16)):
+    if "CPU_DKV_REPACK" in cpu_extra_buffer_types() and cpu_repack_fits("q8_0", (64, 16)):
         with Context(n_tensors=1) as wctx:
             w = wctx.new_tensor("q8_0", 64, 16)
-            with Buffer.alloc_ctx_tensors_from_buft(wctx, cpu_extra_buffer_types()["CPU_REPACK"], cpu):
+            with Buffer.alloc_ctx_tensors_from_buft(wctx, cpu_extra_buffer_types()["CPU_DKV_REPACK"], cpu):
                 with pytest.raises(GGMLError, match="repacked"):
                     w.place_in(host_array((16, 64), np.uint8))
     # views: unallocated, or placed with the tensor they view

@@ -32,7 +32,7 @@ from pyggml_dkv.ggml import (
     cpu_repack_fits,
     vnni_available,
 )
-from pyggml_dkv.ggml._lowlevel import lib
+from pyggml_dkv.ggml._lowlevel import ffi, lib
 from tests.ggml.helpers import mul_mat_rows, quantize_q8_0_rows
 
 # on a CPU with AMX the AMX buffer takes some q8_0 matrices (the fold-in's) and the rules these
@@ -71,7 +71,7 @@ def test_vnni_product_at_every_row_count(n_threads):
         w[3, :32] = 0  # an all-zero block (scale 0)
         with Backend("cpu", n_threads=n_threads) as backend:
             wt, wbuf = upload_matrix(backend, w, "q8_0", "w", matmul_only=True)
-            assert wt.is_repacked and wbuf.name == "CPU_REPACK"
+            assert wt.is_repacked and wbuf.name == "CPU_DKV_REPACK"
             for rows in (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 34, 40, 64, 100):
                 x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(
                     np.float32
@@ -142,7 +142,7 @@ def test_vnni_weights_step_like_generic_q8_0_and_the_reference(cpu):
     outs = {}
     for repack in (True, False):
         with BackendWeights(w, cpu, "q8_0", repack=repack) as bw:
-            assert (bw.n_repacked > 0) == repack and bw.repack_kind == ("CPU_REPACK" if repack else None)
+            assert (bw.n_repacked > 0) == repack and bw.repack_kind == ("CPU_DKV_REPACK" if repack else None)
             with DraftKvCache(bw, cpu, cap=64) as cache:
                 ring = FeatureRing(64, CFG.fc_in)
                 ring.append(feats)
@@ -155,13 +155,19 @@ def test_vnni_weights_step_like_generic_q8_0_and_the_reference(cpu):
 @pytest.mark.parametrize(
     "ty, ne", [("q8_0", (64, 40)), ("q8_0", (32, 24)), ("q8_0", (64, 32, 2)), ("f16", (32, 32)), ("q4_0", (64, 12))]
 )
-def test_cpu_repack_buffer_refuses_tensors_the_kernel_cannot_hold(cpu, ty, ne):
-    """Anything else would crash ggml on upload (no layout) or compute on a layout nobody tested."""
+def test_repacking_buffers_refuse_tensors_the_kernels_cannot_hold(cpu, ty, ne):
+    """Anything else would crash ggml's CPU_REPACK on upload (no layout) or compute on a layout nobody
+    tested; our CPU_DKV_REPACK refuses the allocation itself (init_tensor fails: NULL, not a crash)."""
     assert not cpu_repack_fits(ty, ne)
+    for name in ("CPU_DKV_REPACK", "CPU_REPACK"):
+        with Context(n_tensors=1) as ctx:
+            ctx.new_tensor(ty, *ne, name="w")
+            with pytest.raises(ValueError, match=f"cannot live in the {name} buffer"):
+                Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()[name], cpu)
     with Context(n_tensors=1) as ctx:
         ctx.new_tensor(ty, *ne, name="w")
-        with pytest.raises(ValueError, match="CPU_REPACK buffer"):
-            Buffer.alloc_ctx_tensors_from_buft(ctx, cpu_extra_buffer_types()["CPU_REPACK"], cpu)
+        buft = cpu_extra_buffer_types()["CPU_DKV_REPACK"]
+        assert lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx.handle, buft) == ffi.NULL  # bypasses our check
 
 
 @needs_vnni
@@ -176,7 +182,10 @@ def test_vnni_repacked_tensor_is_write_whole_and_mul_mat_only(cpu):
         rows = ids_ctx.new_tensor("i32", 2)
         graph = Graph(g, 32)
         graph.expand(g.get_rows(table, rows))
-        with Gallocr(cpu) as galloc, pytest.raises(GGMLError, match="emb.*repacked .AMX or CPU_REPACK buffer."):
+        with (
+            Gallocr(cpu) as galloc,
+            pytest.raises(GGMLError, match="emb.*repacked .AMX, CPU_DKV_REPACK or CPU_REPACK buffer."),
+        ):
             galloc.alloc_graph(graph)
 
 
@@ -201,7 +210,7 @@ def test_no_amx_switch_leaves_q8_0_on_vnni_where_it_can(cpu, monkeypatch):
 
     monkeypatch.setenv("PYGGML_DKV_NO_AMX", "1")
     assert not amx_available()
-    want = "CPU_REPACK" if vnni_available() else None
+    want = "CPU_DKV_REPACK" if vnni_available() else None
     assert repack_buffer(cpu, "q8_0", 64, 64) == want
     assert G.bf16_attention_kernel() != "amx"  # ggml reads the same switch (patch 0011)
     assert repack_buffer(cpu, "f16", 64, 64) is None

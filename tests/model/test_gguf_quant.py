@@ -102,7 +102,7 @@ def test_native_quantized_step_matches_reference(dtype, tmp_path, vocab_file, cp
 
 def test_upload_stored_repacks_only_matmul_matrices(tmp_path, vocab_file, cpu):
     """An lm_head uploaded with matmul_only goes where BackendWeights puts q8_0 matrices (AMX /
-    CPU_REPACK where the CPU has the kernel; without, an ordinary buffer, like every matrix
+    CPU_DKV_REPACK where the CPU has the kernel; without, an ordinary buffer, like every matrix
     uploaded without matmul_only), and the logits agree with the ordinary buffer's (ggml's generic
     q8_0 product) to rounding."""
     cfg = DraftConfig.toy(vocab=N_VOCAB, mask_token_id=3, target_layer_ids=[1, 4, 7])

@@ -180,6 +180,15 @@ ggml_backend_buffer_type_t ggml_backend_cpu_dkv_buffer_type(void) {
     return &ggml_backend_cpu_buffer_type_dkv;
 }
 
+const ggml_backend_buffer_type_t * ggml_backend_cpu_dkv_buffer_types(void) {
+    static const ggml_backend_buffer_type_t bufts[] = {
+        ggml_backend_cpu_dkv_buffer_type(),
+        ggml_backend_cpu_dkv_repack_buffer_type(),
+        nullptr,
+    };
+    return bufts;
+}
+
 // The CPU device, but with our buffer type: ggml's RPC server allocates every buffer from its
 // device's buffer type, so a server on this device holds the weights where our kernels take them.
 static const char * ggml_backend_cpu_dkv_device_get_name(ggml_backend_dev_t dev) {
