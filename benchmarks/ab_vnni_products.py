@@ -1,10 +1,11 @@
-"""Our AVX512-VNNI products of repacked q8_0 / q4_0 weights against ggml's own, side by side: the
-same weights in our CPU_DKV_REPACK buffer (our kernels: vendor/kernels/mm-vnni-*.cpp), in ggml's CPU
-buffer (ggml 0.25.3's own path for the type: ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0, or llamafile's
-tinyBLAS where it takes the shape) and, where ggml's CPU_REPACK has a layout for the type here
-(q4_0: its AVX2 8x8 interleave; it has none for q8_0 on x86), in ggml's CPU_REPACK.
+"""Our AVX512-VNNI products of repacked quantized weights against ggml's own, side by side: the same
+weights in our CPU_DKV_REPACK buffer (our kernels: vendor/kernels/mm-vnni-*.cpp), in ggml's CPU
+buffer (ggml 0.25.3's own path for the type: its vec_dot against q8_0 / q8_K rows, llamafile's
+tinyBLAS or its tiled/ K-quant kernel where they take the shape) and, where ggml's CPU_REPACK has a
+layout for the type here (q4_0 / q4_K: its AVX2 8x8 interleaves; none for q8_0, q5_K, q6_K on
+x86), in ggml's CPU_REPACK.
 
-    python benchmarks/ab_vnni_products.py [--threads 2] [--reps 40] [--types q8_0,q4_0]
+    python benchmarks/ab_vnni_products.py [--threads 2] [--reps 40] [--types q8_0,q4_0,q6_k,q4_k,q5_k]
 
 Per shape (rows x inputs, columns), one graph per placement holding `count` distinct weight
 matrices (so a product streams its weights as a step's do; about 48 MB of f16-sized weights a
@@ -95,7 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--types", default="q8_0,q4_0")
+    ap.add_argument("--types", default="q8_0,q4_0,q6_k,q4_k,q5_k")
     args = ap.parse_args()
     print(
         f"CPU: {cpu_name()} ({cpu_family_model()}), {os.cpu_count()} logical CPUs; {args.threads} thread(s), "
@@ -119,12 +120,13 @@ def main() -> None:
                 for _ in range(2):  # warm-up
                     for p in places.values():
                         p.time_one()
-                # the same product: both quantize the rows to 8 bits alike; only f32 sum orders differ
+                # the same product: the rows quantized to 8 bits alike (q6_K: ggml's q8_K rounds some
+                # ties the other way, ~2e-3); otherwise only f32 sum orders differ
                 want = places["ggml"].outs[0].numpy()
                 for name in ("ours", "repack"):
                     if name in places:
                         err = relative_error(places[name].outs[0].numpy(), want)
-                        assert err < 1e-4, (name, err)
+                        assert err < (5e-3 if wtype.lower() == "q6_k" else 1e-4), (name, err)
                 times: dict[str, list[float]] = {name: [] for name in places}
                 for _ in range(args.reps):
                     for name, p in places.items():

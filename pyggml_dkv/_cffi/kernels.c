@@ -58,6 +58,15 @@ static const char kernels[] = ""
 #if defined(PYGGML_DKV_HAS_VNNI_Q4_0) && defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER)
     ",vnni-q4_0"        /* mm-vnni-q4_0.cpp: q4_0 in 16-row groups, vpdpbusd (AVX512-VNNI) */
 #endif
+#if defined(PYGGML_DKV_HAS_VNNI_Q6_K) && defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER)
+    ",vnni-q6_k"        /* mm-vnni-q6_k.cpp: q6_K in 16-row groups, codes one per byte */
+#endif
+#if defined(PYGGML_DKV_HAS_VNNI_Q4_K) && defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER)
+    ",vnni-q4_k"        /* mm-vnni-q4_k.cpp: q4_K in 16-row groups, scales by vpdpwssd */
+#endif
+#if defined(PYGGML_DKV_HAS_VNNI_Q5_K) && defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER)
+    ",vnni-q5_k"        /* mm-vnni-q5_k.cpp: q5_K in 16-row groups, nibbles and a fifth-bit plane */
+#endif
 /* flash attention over K/V caches in CPU_DKV buffers (vendor/kernels/flash-attn.h) */
 #if defined(PYGGML_DKV_HAS_FA_TILED) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
     ",fa-tiled"         /* flash-attn-tiled.cpp: f32 64 x 64 tiles from 8 query rows (AVX-512) */

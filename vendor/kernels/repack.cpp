@@ -27,7 +27,9 @@ namespace ggml::cpu::dkv {
 
 // the layout a tensor takes: the first that fits it, in this order (nullptr: none)
 static const repack_layout * layout_for(const struct ggml_tensor * t) {
-    static const repack_layout * const layouts[] = {vnni_q8_0_layout(), vnni_q4_0_layout()};
+    static const repack_layout * const layouts[] = {
+        vnni_q8_0_layout(), vnni_q4_0_layout(), vnni_q6_k_layout(), vnni_q4_k_layout(), vnni_q5_k_layout(),
+    };
     for (const repack_layout * l : layouts) {
         if (l != nullptr && l->fits(t)) {
             return l;

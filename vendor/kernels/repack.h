@@ -5,6 +5,9 @@
 //
 //   mm-vnni-q8_0.cpp  vnni-q8_0  q8_0 in 16-row groups for vpdpbusd (AVX512-VNNI)
 //   mm-vnni-q4_0.cpp  vnni-q4_0  q4_0 in 16-row groups for vpdpbusd (AVX512-VNNI)
+//   mm-vnni-q6_k.cpp  vnni-q6_k  q6_K, the codes one per byte                (AVX512-VNNI)
+//   mm-vnni-q4_k.cpp  vnni-q4_k  q4_K, codes as nibbles, scales by vpdpwssd   (AVX512-VNNI)
+//   mm-vnni-q5_k.cpp  vnni-q5_k  q5_K, nibbles and a fifth-bit plane         (AVX512-VNNI)
 //
 // A layout compiled for instructions the build lacks answers nullptr.
 #pragma once
@@ -28,5 +31,8 @@ struct repack_layout {
 // each layout file: its layout, or nullptr where the build lacks its instructions
 const repack_layout * vnni_q8_0_layout();
 const repack_layout * vnni_q4_0_layout();
+const repack_layout * vnni_q6_k_layout();
+const repack_layout * vnni_q4_k_layout();
+const repack_layout * vnni_q5_k_layout();
 
 }  // namespace ggml::cpu::dkv
