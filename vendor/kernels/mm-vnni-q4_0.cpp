@@ -13,9 +13,9 @@
 // Figure: against ggml 0.25.3's own q4_0 path (CPU buffer) and its CPU_REPACK (AVX2 8x8), as for
 // q8_0 (mm-vnni-q8_0.cpp: same machine, load and benchmark), 2 threads. Microseconds a product, ours
 // / ggml's plain / ggml's CPU_REPACK:
-//   3072 x 1024 x 16 columns  357 / 1432 / 825    1024 x 3072 x 16  340 / 1294 / 783
-//   1024 x 1024 x 16          133 /  491 / 289    3072 x 1024 x 34  750 / 2816 / 1741
-//   8192 x 1024 x  9          637 / 3057 / 1903   (0.33-0.46 of CPU_REPACK's time; 119-148 G/s)
+//   3072 x 1024 x 16 columns  254 /  962 /  535    1024 x 3072 x 16  217 /  872 / 464
+//   1024 x 1024 x 16          125 /  320 /  207    3072 x 1024 x 34  447 / 1474 / 953
+//   8192 x 1024 x  9          472 / 2135 / 1254   (0.38-0.60 of CPU_REPACK's time; 134-240 G/s)
 //
 // Pyggml-Dkv-Capability: vnni-q4_0
 

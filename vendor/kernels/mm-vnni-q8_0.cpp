@@ -15,11 +15,11 @@
 // Figure: against ggml 0.25.3's own q8_0 path (the same weights in ggml's CPU buffer), the graphs
 // computed in turn in one process, median of 40 (benchmarks/ab_vnni_products.py; ~25 MB of distinct
 // weights per graph, streamed from memory). AMD EPYC, cpuinfo family 25 model 17 (Zen 4), 2 vCPUs
-// shared with another job (1 thread ran as fast as 2), GCC 12, 2 threads. Microseconds a product,
-// ours / ggml's:
-//   3072 x 1024 x 16 columns  465 / 1498 (0.31)    1024 x 3072 x 16  419 / 1191 (0.35)
-//   1024 x 1024 x 16          173 /  511 (0.34)    3072 x 1024 x 34  840 / 2716 (0.31)
-//   8192 x 1024 x  9         1041 / 3570 (0.29)    73-127 G multiply-adds/s
+// (load average ~1 from another job), GCC 12, 2 threads. Microseconds a product, ours / ggml's:
+//   3072 x 1024 x 16 columns  306 /  982 (0.31)    1024 x 3072 x 16  280 /  832 (0.34)
+//   1024 x 1024 x 16          122 /  295 (0.41)    3072 x 1024 x 34  492 / 1599 (0.31)
+//   8192 x 1024 x  9          669 / 2234 (0.30)    113-217 G multiply-adds/s
+// One thread: 0.26-0.32 of ggml's time; under a load average of 2, 0.29-0.35.
 // Within f32 rounding of the exact q8_0 x q8_0 arithmetic (tests/ggml/test_vnni.py: < 1e-6 of it in
 // float64; bit-equal to ggml's on data whose sums are exact; the same bits for any thread count).
 //
