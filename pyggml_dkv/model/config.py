@@ -169,6 +169,11 @@ class DraftConfig:
             )
         if self.selector_top_k > self.vocab:
             raise ConfigError(f"DraftConfig.selector_top_k {self.selector_top_k} exceeds vocab {self.vocab}")
+        if self.block_size < 2:
+            raise ConfigError(
+                f"DraftConfig.block_size must be >= 2 for DFlash-2 (its selector drafts block rows 1..), "
+                f"got {self.block_size}"
+            )
 
     def replace(self, **changes: Any) -> DraftConfig:
         return dataclasses.replace(self, **changes)

@@ -109,6 +109,7 @@ def test_config_fields_and_properties():
         (dict(conv_group_size=48), r"conv_group_size 48 does not divide hidden 256"),
         (dict(vocab=None, mask_token_id=0), r"vocab must be set for DFlash-2"),
         (dict(selector_top_k=97), r"selector_top_k 97 exceeds vocab 96"),
+        (dict(block_size=1), r"block_size must be >= 2 for DFlash-2"),
     ],
 )
 def test_config_refusals(changes, match):
