@@ -66,7 +66,7 @@ from machine import early_option, set_omp_wait_policy  # noqa: E402  (benchmarks
 
 # Both sides run under OpenMP's default wait policy unless told otherwise: the policy of a llama.cpp
 # host process, where our drafter runs. Ours (--omp-wait-policy) only governs the wait between graph
-# computes (patch 0005 gives the node barriers their own spin-then-sleep): under PASSIVE each step
+# computes (old patch 0005 gives the node barriers their own spin-then-sleep): under PASSIVE each step
 # wakes a sleeping thread (on the model-167 Xeon VM 4-7% of a q8_0 step without a head in a plain
 # loop of steps; here, with logits, within the noise: benchmarks/README.md). llama.cpp's child gets its
 # own (--llama-omp-wait-policy): its ggml meets at `omp barrier` after every node, where PASSIVE costs

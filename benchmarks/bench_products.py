@@ -53,7 +53,7 @@ def kernel_name(backend: Backend, type_name: str, rows: int, k: int) -> str:
         return kernels_used(type_name, None, "f32", (k, rows))["matmul"]
     kind = repack_buffer(backend, type_name, rows, k, bulk=False)
     if kind == "AMX":
-        return f"{type_name} on ggml's AMX int8 tiles (patches 0002, 0007)"
+        return f"{type_name} on ggml's AMX int8 tiles (old patches 0002, 0007)"
     if kind in ("CPU_DKV_REPACK", "CPU_REPACK"):
         return str(cpu_repack_kernel(type_name, (k, rows)))
     return f"ggml's generic {type_name} product"

@@ -18,7 +18,7 @@ Systems, each timed for ONE draft step at a context window of W positions:
   kv_bf16    DraftKvCache, bf16 weights (products on AVX512-BF16 vdpbf16ps with the rows rounded to bf16,
              old patch 0019, where the CPU has it), f16 K/V cache
   kv_q8_generic  (--generic-q8) kv_q8 with its q8_0 weights in the ordinary buffer: ggml's generic
-             q8_0 kernels, the path of a CPU without AMX before patch 0010 (not in the targets)
+             q8_0 kernels, the path of a CPU without AMX before old patch 0010 (not in the targets)
   raw        kv_f16's step graph alone: cache.next_graph().compute(backend) (the graph step() runs, sized
              for the step's fold-in rows) after begin_step + inp_embed upload
              (so step()/raw shows the host overhead of step(): checks, ring copy, masks, uploads, download)
@@ -60,7 +60,7 @@ taken between its steps (peak_probe.PeakSampler, ~2 ms per instruction plus one 
 buffer, one sample per repetition in the systems' rotation; the medians): a shared VM's speed moves
 within seconds, and steps timed in a slow spell were charged against a fast spell's peak. The
 figure with the run's peaks stays in the report as "roofline, run's peaks" (info). Where the products run on those instructions (no AMX: the f16 kernel of
-patch 0004 and f32 attention on FMAs, q8_0 on VNNI (0010), attention="bf16" on vdpbf16ps (0011)) the
+old patch 0004 and f32 attention on FMAs, q8_0 on VNNI (0010), attention="bf16" on vdpbf16ps (0011)) the
 roofline's compute time is the sum over product kinds of multiply-adds / that instruction's peak;
 elsewhere (a CPU with AMX in use: every system; no AVX-512; no compiler for the probe) it is
 flops / the numpy matmul rate.

@@ -19,7 +19,7 @@ DEFAULT_REPS = {"toy": 30, "small": 15, "qwen3-8b": 5}
 DEFAULT_ONESHOT_REPS = {"toy": 30, "small": 8, "qwen3-8b": 3}
 WINDOWS = (64, 256, 1024, 2048, 4096)
 SYSTEMS = ("kv_f16", "kv_q8", "kv_q8_attbf16", "kv_bf16", "kv_q8_generic", "raw", "oneshot", "torch_fp32", "torch_bf16")
-# timed only on request (--generic-q8): the q8_0 path of a CPU without AMX before patch 0010
+# timed only on request (--generic-q8): the q8_0 path of a CPU without AMX before old patch 0010
 OPTIONAL_SYSTEMS = ("kv_q8_generic",)
 KV_SYSTEMS = ("kv_f16", "kv_q8", "kv_q8_attbf16", "kv_bf16")
 TORCH_SYSTEMS = ("torch_fp32", "torch_bf16")

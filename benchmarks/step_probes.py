@@ -159,36 +159,38 @@ def kernels_used(
     feats = cpu_features()
     if kind == "f16":
         if feats["avx512"] and F16_MATMUL_KERNEL in built_capabilities():
-            mm = ("f16 weights x f32 rows, AVX-512 FMA (patch 0004)", "vfmadd231ps")
+            mm = ("f16 weights x f32 rows, AVX-512 FMA (old patch 0004)", "vfmadd231ps")
         elif half_matmul_avx2():
-            mm = ("f16 weights x f32 rows, AVX2 FMA (patch 0042)", None)
+            mm = ("f16 weights x f32 rows, AVX2 FMA (old patch 0042)", None)
         else:
             mm = ("ggml f16 (llamafile tinyBLAS)", None)
     elif kind == "bf16":
         mm = {
-            "amx": ("bf16 weights x bf16-rounded rows on AMX-BF16 tiles (patch 0029)", None),
-            "avx512_bf16": ("bf16 weights x bf16-rounded rows, AVX512-BF16 vdpbf16ps (patch 0019)", "vdpbf16ps"),
-            "avx512_fma": ("bf16 weights x f32 rows, AVX-512 FMA (patch 0041)", "vfmadd231ps"),
-            "avx2_fma": ("bf16 weights x f32 rows, AVX2 FMA (patch 0042)", None),
+            "amx": ("bf16 weights x bf16-rounded rows on AMX-BF16 tiles (old patch 0029)", None),
+            "avx512_bf16": ("bf16 weights x bf16-rounded rows, AVX512-BF16 vdpbf16ps (old patch 0019)", "vdpbf16ps"),
+            "avx512_fma": ("bf16 weights x f32 rows, AVX-512 FMA (old patch 0041)", "vfmadd231ps"),
+            "avx2_fma": ("bf16 weights x f32 rows, AVX2 FMA (old patch 0042)", None),
         }.get(bf16_matmul_kernel(ne), ("ggml bf16 (llamafile tinyBLAS / vec_dot)", None))
     elif kinds == ("AMX", "CPU_DKV_REPACK"):  # backend_weights.VNNI_OVER_AMX_NARROW
         mm = (
-            "q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (patch 0010); the bulk appends' copies of fc / k_proj / "
-            "v_proj on AMX int8 tiles (patches 0002, 0007)",
+            "q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (old patch 0010); the bulk appends' copies of fc / k_proj / "
+            "v_proj on AMX int8 tiles (old patches 0002, 0007)",
             "vpdpbusd",
         )
     elif kinds == ("AMX",):
-        mm = ("q8_0 on AMX int8 tiles (patches 0002, 0007)", None)
+        mm = ("q8_0 on AMX int8 tiles (old patches 0002, 0007)", None)
     elif kinds == ("CPU_DKV_REPACK",):
-        mm = ("q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (patch 0010)", "vpdpbusd")
+        mm = ("q8_0 x q8_0 rows, AVX512-VNNI vpdpbusd (old patch 0010)", "vpdpbusd")
     else:
         mm = ("ggml generic q8_0 (vec_dot / llamafile tinyBLAS)", None)
-    f32_att = ("tiled f32, AVX-512 FMA (patches 0003, 0006)", "vfmadd231ps") if feats["avx512"] else ("ggml f32", None)
+    f32_att = (
+        ("tiled f32, AVX-512 FMA (old patches 0003, 0006)", "vfmadd231ps") if feats["avx512"] else ("ggml f32", None)
+    )
     att = f32_att
     if attention == "bf16":
         att = {
-            "amx": ("bf16 products on AMX-BF16 tiles (patch 0009)", None),
-            "avx512_bf16": ("bf16 products, AVX512-BF16 vdpbf16ps (patch 0011)", "vdpbf16ps"),
+            "amx": ("bf16 products on AMX-BF16 tiles (old patch 0009)", None),
+            "avx512_bf16": ("bf16 products, AVX512-BF16 vdpbf16ps (old patch 0011)", "vdpbf16ps"),
         }.get(bf16_attention_kernel(), f32_att)
     if feats["amx_usable"]:
         # AMX tiles are not probed: on such a CPU every roofline keeps the numpy rate (as before the

@@ -59,8 +59,8 @@ def cpu_has_amx_bf16() -> bool:
 
 @pytest.fixture(scope="session")
 def cpu_runs_bf16_attention(cpu_has_amx_bf16) -> bool:
-    """Does attention="bf16" really run bf16 products here (AMX-BF16 tiles, patch 0009, or
-    AVX512-BF16 dot products, patch 0011), rather than the f32 kernel?"""
+    """Does attention="bf16" really run bf16 products here (AMX-BF16 tiles, old patch 0009, or
+    AVX512-BF16 dot products, old patch 0011), rather than the f32 kernel?"""
     from pyggml_dkv.ggml import bf16_attention_kernel
 
     return bf16_attention_kernel() != "f32"

@@ -29,6 +29,12 @@ static const char kernels[] = ""
 #ifdef PYGGML_DKV_HAS_GRAPH_UID
     ",graph-uid"        /* ggml_graph_renew_uid: a graph built once is recomputed by its uid (RPC) */
 #endif
+#ifdef PYGGML_DKV_HAS_BARRIER_FUTEX
+    ",barrier-futex"    /* P2: ggml's node barrier spins, then sleeps on a futex (OpenMP on Linux) */
+#endif
+#ifdef PYGGML_DKV_HAS_ARGMAX_ROWS
+    ",argmax-rows"      /* P8: ggml's argmax over the threads, 16 values at a time (AVX-512) */
+#endif
 #ifdef PYGGML_DKV_HAS_CPU_DKV_HOOK
     ",cpu-dkv-hook"     /* P1: ggml-cpu compiles our kernel files behind their extra buffer type */
 #endif

@@ -61,7 +61,7 @@ def default_weight_dtype(backend: Backend) -> str:
     return "f16"
 
 
-# Types ggml's AMX buffer takes for which our VNNI kernel is the faster one: q4_0 (patch 0022) took
+# Types ggml's AMX buffer takes for which our VNNI kernel is the faster one: q4_0 (old patch 0022) took
 # 0.53-0.95 of the time of ggml's AMX q4_0 kernel (which has no 16-row pass like 0007's for q8_0) at
 # 9-34 columns, measured interleaved in one process on an Emerald Rapids (2 threads; the small
 # drafter's shapes and a 49152-row head).

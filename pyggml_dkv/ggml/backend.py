@@ -26,11 +26,22 @@ class Backend(Owned):
 
     _rpc_init_lock = threading.Lock()
 
-    def __init__(self, spec: str = "cpu", n_threads: int | None = None, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        spec: str = "cpu",
+        n_threads: int | None = None,
+        timeout_s: float | None = None,
+        device_type: str | None = None,
+    ) -> None:
         """`timeout_s` (RPC only, default rpc.DEFAULT_TIMEOUT_S): how long any one send or receive
         to the server may take (and the connect and handshake) before the backend is failed with
         RemoteBackendError. A graph compute is answered by the next download, so it must be longer
-        than the slowest step."""
+        than the slowest step.
+
+        `device_type` (RPC only): what the server computes on, "cpu" or "gpu", for a server that
+        does not say (llama.cpp's own `ggml-rpc-server`; ours does). Graphs choose their CPU-only
+        shapes (the GQA fold) from it; unknown counts as a GPU. A server that says otherwise is
+        refused."""
         if not isinstance(spec, str):
             raise TypeError(f"backend spec must be a string like 'cpu' or 'cuda:0', got {type(spec).__name__}")
         self.spec = spec.strip().lower()
@@ -42,6 +53,11 @@ class Backend(Owned):
         self.rpc_server: rpc.ServerInfo | None = None
         if timeout_s is not None and self.kind != "rpc":
             raise ValueError(f"timeout_s applies to RPC backends only, not {spec!r}")
+        if device_type is not None:
+            if self.kind != "rpc":
+                raise ValueError(f"device_type applies to RPC backends only, not {spec!r}")
+            if device_type not in rpc.DECLARABLE_DEVICE_TYPES:
+                raise ValueError(f"device_type must be one of {rpc.DECLARABLE_DEVICE_TYPES}, got {device_type!r}")
         if self.kind == "cpu":
             if self.spec != "cpu":
                 raise ValueError(f"CPU backend spec is just 'cpu', got {spec!r}")
@@ -74,11 +90,11 @@ class Backend(Owned):
             self.n_threads = 0
             self.device_type = "gpu"
         elif self.kind == "rpc":
-            self._init_rpc(spec, n_threads, timeout_s)
+            self._init_rpc(spec, n_threads, timeout_s, device_type)
         else:
             raise ValueError(f"unknown backend {spec!r}; expected 'cpu', 'cuda', 'cuda:N' or 'rpc:HOST:PORT'")
 
-    def _init_rpc(self, spec: str, n_threads: int | None, timeout_s: float | None) -> None:
+    def _init_rpc(self, spec: str, n_threads: int | None, timeout_s: float | None, declared: str | None) -> None:
         host, port = rpc.parse_spec(self.spec)
         if n_threads is not None:
             raise ValueError(f"{spec!r}: the server's thread count is set where it runs (--threads), not here")
@@ -94,6 +110,11 @@ class Backend(Owned):
         rpc.open_endpoints.claim(endpoint, self, spec)  # before any connection: a second one would hang
         try:
             info = rpc.probe(endpoint, timeout_s, spec)
+            if declared is not None and info.device_type not in (None, declared):
+                raise ValueError(
+                    f"{spec!r}: device_type={declared!r} was given, but the server says it computes on "
+                    f"{info.device_type!r}"
+                )
             with Backend._rpc_init_lock:  # the timeout applies to the connection ggml opens next
                 if hasattr(lib, "ggml_backend_rpc_set_timeout_ms"):  # our RPC error patch; else no timeout
                     lib.ggml_backend_rpc_set_timeout_ms(max(1, round(timeout_s * 1000)))
@@ -109,11 +130,12 @@ class Backend(Owned):
         self._own(handle, lib.ggml_backend_free, "backend")
         self.n_threads = 0
         self.rpc_endpoint, self.rpc_server, self.timeout_s = endpoint, info, timeout_s
-        self.device_type = info.device_type
-        if info.device_type is None:
+        self.device_type = info.device_type or declared
+        if self.device_type is None:
             _log.warning(
                 "RPC server %s did not say what device it computes on (not a pyggml_dkv server?): "
-                "treated as a GPU, so CPU-only graph choices stay off",
+                "treated as a GPU, so CPU-only graph choices stay off (Backend(..., device_type='cpu') "
+                "declares a CPU server)",
                 endpoint,
             )
 

@@ -169,6 +169,8 @@ DKV_BUFFER_TYPE = "CPU_DKV"
 DKV_REPACK_KERNEL = "dkv-repack-buffer"
 # ggml's node barrier spins a few pauses, then sleeps on a futex, also in OpenMP builds (P2)
 BARRIER_FUTEX = "barrier-futex"
+# ggml's argmax runs on every thread (whole rows each), AVX-512 compares (P8)
+ARGMAX_ROWS = "argmax-rows"
 # f16 weights times up to 64 f32 columns on AVX-512 FMAs (our narrow product; ggml rounds the
 # columns to f16). Our narrow products (this, the bf16 and the AVX2 ones below) run for weights in
 # the CPU_DKV buffer (weight_buffer: BackendWeights puts f16 / bf16 matrices there on the CPU)
@@ -177,9 +179,18 @@ F16_MATMUL_KERNEL = "mm-f16-narrow"
 NARROW_WEIGHT_TYPES = ("f16", "bf16")
 
 
+def ggml_kernels_only_requested() -> bool:
+    """PYGGML_DKV_GGML_KERNELS_ONLY=1: place nothing in our buffer types (CPU_DKV, CPU_DKV_REPACK),
+    so every op runs ggml's own CPU kernels, as on a server of plain ggml (llama.cpp's
+    `ggml-rpc-server`) or for a side-by-side comparison. Read at each placement, like
+    PYGGML_DKV_NO_AMX."""
+    return os.environ.get("PYGGML_DKV_GGML_KERNELS_ONLY", "") not in ("", "0")
+
+
 def dkv_buffer_available() -> bool:
-    """True when this ggml carries our CPU_DKV extra buffer type (registered with the CPU backend)."""
-    return DKV_BUFFER_TYPE in cpu_extra_buffer_types()
+    """True when this ggml carries our CPU_DKV extra buffer type (registered with the CPU backend)
+    and PYGGML_DKV_GGML_KERNELS_ONLY is not set."""
+    return DKV_BUFFER_TYPE in cpu_extra_buffer_types() and not ggml_kernels_only_requested()
 
 
 def f16_matmul_kernel(ne: tuple[int, ...] = (1024, 1024), n_columns: int = 16) -> str:
@@ -367,9 +378,10 @@ VNNI_KERNEL = "vnni-q8_0"
 
 def vnni_available() -> bool:
     """True when ggml carries the VNNI q8_0 kernel (VNNI_KERNEL) in our CPU_DKV_REPACK buffer type
-    and was compiled for AVX512-VNNI."""
+    and was compiled for AVX512-VNNI (and PYGGML_DKV_GGML_KERNELS_ONLY is not set)."""
     return (
-        VNNI_KERNEL in built_capabilities()
+        not ggml_kernels_only_requested()
+        and VNNI_KERNEL in built_capabilities()
         and bool(lib.ggml_cpu_has_avx512_vnni())
         and DKV_REPACK_BUFFER_TYPE in cpu_extra_buffer_types()
     )

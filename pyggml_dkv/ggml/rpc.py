@@ -39,6 +39,8 @@ CONN_CAPS_SIZE = 24
 HELLO_RESPONSE_SIZE = 4 + CONN_CAPS_SIZE  # major, minor, patch, padding, conn_caps
 
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+# what a caller may declare for a server that does not say (Backend(..., device_type=...))
+DECLARABLE_DEVICE_TYPES = ("cpu", "gpu")
 
 DEFAULT_TIMEOUT_S = 10.0
 

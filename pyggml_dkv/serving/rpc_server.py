@@ -85,13 +85,15 @@ def _set_wait_policy() -> None:
 def _device(spec: str) -> Any:
     from ..ggml import BackendUnavailableError, built_backends
     from ..ggml._lowlevel import ffi, lib
+    from ..ggml.capabilities import ggml_kernels_only_requested
 
     if spec == "cpu":
         # the CPU device with our CPU_DKV buffer type as its own, where the build has it: the server
         # allocates every buffer from its device's type, so the f16 / bf16 weights a client uploads
         # sit where our narrow kernels take their products, as a local BackendWeights places them
-        # (the same bits over RPC as on the local CPU)
-        dev = lib.pyggml_dkv_cpu_dkv_device()
+        # (the same bits over RPC as on the local CPU). PYGGML_DKV_GGML_KERNELS_ONLY=1: ggml's CPU
+        # device, as plain ggml's server (llama.cpp's ggml-rpc-server) serves it
+        dev = ffi.NULL if ggml_kernels_only_requested() else lib.pyggml_dkv_cpu_dkv_device()
         if dev == ffi.NULL:
             dev = lib.ggml_backend_dev_by_name(b"CPU")
     else:
@@ -185,7 +187,8 @@ def serve(
 
 class RpcServerProcess:
     """An RPC server in a child process (`python -m pyggml_dkv.serving.rpc_server`), ready when
-    the constructor returns: it has answered a protocol handshake. stop() sends SIGTERM."""
+    the constructor returns: it has answered a protocol handshake. stop() sends SIGTERM.
+    `RpcServerProcess.llama_cpp(...)` runs llama.cpp's own `ggml-rpc-server` the same way."""
 
     def __init__(
         self,
@@ -197,7 +200,6 @@ class RpcServerProcess:
         env: dict[str, str] | None = None,
     ) -> None:
         _check_args(host, port, threads, device)
-        self.host, self.port = host, port
         cmd = [
             sys.executable,
             "-m",
@@ -211,6 +213,32 @@ class RpcServerProcess:
             "--device",
             device,
         ]
+        self._start(cmd, host, port, ready_timeout_s, env)
+
+    @classmethod
+    def llama_cpp(
+        cls,
+        binary: str | os.PathLike[str],
+        port: int,
+        host: str = "127.0.0.1",
+        threads: int = 1,
+        ready_timeout_s: float = 30.0,
+        env: dict[str, str] | None = None,
+    ) -> RpcServerProcess:
+        """llama.cpp's own `ggml-rpc-server` binary (`bash scripts/build_llama_cpp_tool.sh
+        ggml-rpc-server` builds the one of the llama-cpp-python release we build on), serving its
+        CPU device. It does not say what it computes on: give its Backend `device_type="cpu"`."""
+        _check_args(host, port, threads, "cpu")
+        path = os.fspath(binary)
+        if not os.path.isfile(path) or not os.access(path, os.X_OK):
+            raise RpcServerError(f"{path!r} is not an executable file (build it: scripts/build_llama_cpp_tool.sh)")
+        self = cls.__new__(cls)
+        cmd = [path, "--host", host, "--port", str(port), "--threads", str(threads), "--device", "CPU"]
+        self._start(cmd, host, port, ready_timeout_s, env)
+        return self
+
+    def _start(self, cmd: list[str], host: str, port: int, ready_timeout_s: float, env: dict[str, str] | None) -> None:
+        self.host, self.port = host, port
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._output: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -398,7 +398,7 @@ def test_invalid_arguments(small, cpu):
 def test_threads_agree(cpu, weight_type):
     """The suite runs ggml on one thread; the same steps on two threads give the same answers
     (f16: the narrow matmul kernel, q8_0: ggml's AMX kernels where available, which split their
-    rows and blocks over the threads, or the VNNI kernel of patch 0010 without AMX)."""
+    rows and blocks over the threads, or the VNNI kernel of old patch 0010 without AMX)."""
     from pyggml_dkv import Backend
     from pyggml_dkv.ggml import amx_available, vnni_available
 

@@ -21,7 +21,7 @@ def amx_next_to_torch() -> None:
     ring.append(np.ones((20, cfg.fc_in), np.float32))
     noise = np.full((8, cfg.hidden), 0.5, np.float32)
     caches = [DraftKvCache(bw, be, 64)]
-    # bf16 weights: their products on AMX-BF16 tiles where the CPU has them (patch 0029)
+    # bf16 weights: their products on AMX-BF16 tiles where the CPU has them (old patch 0029)
     caches.append(DraftKvCache(DraftWeights.random(cfg, seed=1).to_backend(be, "bf16"), be, 64))
     if bf16_attention_supported():
         caches.append(DraftKvCache(bw, be, 64, attention="bf16"))

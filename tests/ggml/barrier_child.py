@@ -19,7 +19,7 @@ def run() -> None:
         with Buffer.alloc_ctx_tensors(ctx, backend):
             t.set(x)
             graph = Graph(g, 128)
-            # the argmax of one row is computed by one thread (patch 0024 gives each thread whole rows):
+            # the argmax of one row is computed by one thread (P8 gives each thread whole rows):
             # the other waits at each node's barrier
             outs = [g.argmax(t) for _ in range(96)]
             for o in outs:

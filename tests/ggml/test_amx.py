@@ -34,7 +34,8 @@ needs_amx = pytest.mark.skipif(
     not amx_available(), reason="this CPU / kernel offers no AMX (or PYGGML_DKV_NO_AMX is set)"
 )
 needs_amx_bf16 = pytest.mark.skipif(
-    bf16_matmul_kernel() != "amx", reason="bf16 products run on AMX-BF16 tiles only where the CPU has them (patch 0029)"
+    bf16_matmul_kernel() != "amx",
+    reason="bf16 products run on AMX-BF16 tiles only where the CPU has them (old patch 0029)",
 )
 
 CFG = DraftConfig(
@@ -64,7 +65,7 @@ def test_no_amx_environment_switch(cpu, monkeypatch):
     monkeypatch.setenv("PYGGML_DKV_NO_AMX", "1")
     assert not amx_available()
     with _weights().to_backend(cpu, "q8_0") as bw:
-        # no AMX buffer; the VNNI kernel (patch 0010) takes q8_0 where ggml was compiled for it
+        # no AMX buffer; the VNNI kernel (old patch 0010) takes q8_0 where ggml was compiled for it
         assert bw.repack_kind == ("CPU_DKV_REPACK" if vnni_available() else None)
         assert "AMX" not in {b.name for b in bw.buffers}
 

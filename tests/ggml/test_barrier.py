@@ -1,4 +1,4 @@
-"""ggml's node barrier (old patch 0005): a waiting thread sleeps instead of spinning."""
+"""ggml's node barrier (P2, barrier-futex): a waiting thread sleeps instead of spinning."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ pytestmark = pytest.mark.slow  # a thread-barrier stress run: the slow tier
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the futex barrier is Linux-only")
 def test_waiting_thread_sleeps_in_graph_barriers():
-    """With old patch 0005 a thread waiting at a node's barrier spins a few pauses and then
-    sleeps (256-4096 pauses, adapted by 0014: back to 256 after every wait that ended asleep, so a
-    thread whose waits are long, like this graph's, spins 256), even under OMP_WAIT_POLICY=ACTIVE
-    (which makes `omp barrier` spin without end: on a shared machine that burns the time slices a
-    descheduled partner needs, see benchmarks/README.md). A graph of single-threaded nodes then
-    costs one core, not two."""
+    """With our barrier (P2; old patches 0005 and 0014) a thread waiting at a node's barrier
+    spins a few pauses and then sleeps (256-4096 pauses, adapted: back to 256 after every wait
+    that ended asleep, so a thread whose waits are long, like this graph's, spins 256), even
+    under OMP_WAIT_POLICY=ACTIVE (which makes `omp barrier` spin without end: on a shared machine
+    that burns the time slices a descheduled partner needs, see benchmarks/README.md). A graph of
+    single-threaded nodes then costs one core, not two."""
     if BARRIER_FUTEX not in built_capabilities():
         pytest.skip(f"ggml built without our barrier ({BARRIER_FUTEX}: its barrier is `omp barrier`)")
     env = dict(os.environ, OMP_WAIT_POLICY="ACTIVE", OPENBLAS_NUM_THREADS="1")

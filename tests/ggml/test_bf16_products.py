@@ -77,7 +77,7 @@ def test_each_kernel_is_its_arithmetic(tmp_path, monkeypatch, choice):
 
 
 def test_the_kernel_rule(monkeypatch):
-    """The rule Python mirrors from patch 0041: AMD keeps vdpbf16ps, every other CPU (and every CPU
+    """The rule Python mirrors from old patch 0041: AMD keeps vdpbf16ps, every other CPU (and every CPU
     without AVX512-BF16) takes the FMAs; the switch forces either; a bad value is refused by name."""
     if FMA_KERNEL not in built_capabilities() or not cpu_features()["avx512"]:
         pytest.skip(f"this build has no FMA kernel for bf16 weights ({FMA_KERNEL}, AVX-512)")
@@ -107,7 +107,7 @@ def test_a_misspelt_switch_is_refused(monkeypatch, value):
 
 
 def test_the_avx2_rule(monkeypatch):
-    """Where ggml was built for AVX2 without AVX-512 (patch 0042's kernel; the AVX2-only build test
+    """Where ggml was built for AVX2 without AVX-512 (old patch 0042's kernel; the AVX2-only build test
     runs its arithmetic), a bf16 product of whole 16-input blocks and up to 64 columns takes it, the
     rest ggml's own path. Here the build answer is simulated: it is the CPU's (and the CPU_DKV
     buffer type the weights live in, which an unpatched build lacks)."""

@@ -330,7 +330,7 @@ def test_vnni_product_is_its_exact_arithmetic(ty):
     """Row counts of a draft step (1 .. 34: tiles of 16 (q4_0, q5_K: 0032) or 8, then 8 / 4 / 2 / 1),
     several 16-row groups and 256-value blocks: within f32 rounding of the kernel's own arithmetic in float64, equal to the bit
     for 1, 2 or 3 threads (one thread per output; 3 groups: one thread takes groups 0-1 as a pair,
-    patch 0023, three threads one each), and near ggml's ordinary product of the type. q5_K's codes
+    old patch 0023, three threads one each), and near ggml's ordinary product of the type. q5_K's codes
     come back from nibbles and a plane of fifth-bit masks (0037): this seed's codes have the fifth
     bit set in 51% of them."""
     from pyggml_dkv.ggml import Backend

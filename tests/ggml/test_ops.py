@@ -733,7 +733,7 @@ def _argmax_rows(rng: np.random.Generator, width: int) -> np.ndarray:
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 def test_argmax_is_ggmls_last_index_of_the_maximum(n_threads, rng):
     """ggml's argmax returns the last index of a row's maximum (and, with a NaN, whatever its scalar
-    loop makes of it). Patch 0024 computes it 16 values at a time in 4 chains, the rows split over
+    loop makes of it). P8 (argmax-rows) computes it 16 values at a time in 4 chains, the rows split over
     the threads: the same index for every row, width and thread count, against ggml's loop emulated
     value by value (rows of 1-200 values, and a vocabulary's 49152)."""
     with Backend("cpu", n_threads=n_threads) as backend:

@@ -65,7 +65,7 @@ def test_vnni_product_at_every_row_count(n_threads):
     exact q8_0 arithmetic. The only difference allowed is f32 rounding of the per-block sums."""
     rng = np.random.default_rng(7)
     # 5 groups of 16 output rows; 1, 11 or 43 K blocks: the threads split the blocks of the rows to
-    # quantize (patch 0025), or the rows where there are fewer blocks than threads
+    # quantize (old patch 0025), or the rows where there are fewer blocks than threads
     for n_out, k in ((80, 32), (80, 352), (80, 1376)):
         w = rng.standard_normal((n_out, k)).astype(np.float32)
         w[3, :32] = 0  # an all-zero block (scale 0)
@@ -86,10 +86,10 @@ def test_vnni_product_at_every_row_count(n_threads):
 
 @needs_vnni
 def test_vnni_product_does_not_depend_on_the_thread_count():
-    """Each thread takes its 16-row weight groups two at a time (patch 0023: one broadcast activation
+    """Each thread takes its 16-row weight groups two at a time (old patch 0023: one broadcast activation
     word feeds both groups' vpdpbusd) and a last odd group alone; with 1, 2, 3 or 5 threads the same
     groups fall into pairs or stay alone, and every output must be the same to the bit. The threads
-    also split each activation row's 32-value blocks to quantize them (patch 0025): 11 or 43 blocks over
+    also split each activation row's 32-value blocks to quantize them (old patch 0025): 11 or 43 blocks over
     1, 2, 3 or 5 threads, with a block of tiny values (its scale an f16 subnormal or 0)."""
     rng = np.random.default_rng(9)
     # 5 groups: 1 thread pairs 0-1 and 2-3, 5 threads none; 11 blocks, and 43
@@ -114,7 +114,7 @@ def test_vnni_matches_generic_q8_0_bit_for_bit_on_integer_data():
     the VNNI kernel and ggml's generic q8_0 path must agree to the bit, including the extreme weight
     values -127 / +127 (the kernel stores weights + 128 as unsigned bytes)."""
     rng = np.random.default_rng(11)
-    n_out, k = 32, 768  # 24 blocks, quantized 12 by each thread (patch 0025)
+    n_out, k = 32, 768  # 24 blocks, quantized 12 by each thread (old patch 0025)
     w = rng.integers(-127, 128, (n_out, k)).astype(np.float32)
     w[:, ::32] = 127  # every block's amax is 127: scale exactly 1
     w[5, 1::32] = -127
@@ -190,7 +190,7 @@ def test_vnni_repacked_tensor_is_write_whole_and_mul_mat_only(cpu):
 
 
 def test_default_weight_type_follows_the_cpu(cpu):
-    """q8_0 where ggml has a fast int8 kernel for it (AMX, or VNNI with patch 0010), f16 elsewhere;
+    """q8_0 where ggml has a fast int8 kernel for it (AMX, or VNNI with old patch 0010), f16 elsewhere;
     an explicit dtype always wins."""
     want = "q8_0" if (amx_available() or vnni_available()) else "f16"
     assert default_weight_dtype(cpu) == want
@@ -212,7 +212,7 @@ def test_no_amx_switch_leaves_q8_0_on_vnni_where_it_can(cpu, monkeypatch):
     assert not amx_available()
     want = "CPU_DKV_REPACK" if vnni_available() else None
     assert repack_buffer(cpu, "q8_0", 64, 64) == want
-    assert G.bf16_attention_kernel() != "amx"  # ggml reads the same switch (patch 0011)
+    assert G.bf16_attention_kernel() != "amx"  # ggml reads the same switch (old patch 0011)
     assert repack_buffer(cpu, "f16", 64, 64) is None
     monkeypatch.setattr(C, "built_capabilities", lambda: frozenset())  # where vnni_available() looks it up
     assert not G.vnni_available() and repack_buffer(cpu, "q8_0", 64, 64) is None
@@ -231,7 +231,7 @@ def test_vnni_non_finite_activations_give_nan_rows(cpu):
     """A NaN or inf among a row's values makes that row's outputs NaN (as f32 arithmetic would; a
     vector max would silently drop the NaN and return finite garbage); other rows are unaffected."""
     rng = np.random.default_rng(4)
-    for k in (96, 1024 + 96):  # 3 / 35 blocks, split over the two threads to quantize (patch 0025)
+    for k in (96, 1024 + 96):  # 3 / 35 blocks, split over the two threads to quantize (old patch 0025)
         w = rng.standard_normal((32, k)).astype(np.float32)
         x = rng.standard_normal((6, k)).astype(np.float32)
         x[0, 5], x[2, 70], x[3, 40] = np.nan, np.inf, -np.inf

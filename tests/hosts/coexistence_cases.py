@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 # the trajectory: a toy drafter with random weights, q8_0 weights and an f16 ring cache (the
-# patched flash-attention and matmul kernels), then the opt-in bf16 attention (patch 0009),
+# patched flash-attention and matmul kernels), then the opt-in bf16 attention (old patch 0009),
 # with commits that append single rows, bulk-append, and rewind
 TOY = dict(hidden=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=64, ffn=128, block_size=8, n_target_layers=2)
 COMMITS = (5, 6, 9, 30, 31, 24, 60)

@@ -87,7 +87,7 @@ def test_both_in_one_process_compute_as_when_alone(case, isolated, model_path, t
 
 def test_llama_cpp_products_after_our_amx_kernels(model_path, tmp_path):
     """Both ggmls share the OpenMP threads; ggml's AMX matmuls load their tile configuration once per
-    thread, our bf16 attention and bf16 products on AMX load others (patches 0028 and 0029 put ggml's
+    thread, our bf16 attention and bf16 products on AMX load others (old patches 0028 and 0029 put ggml's
     back). Without that llama.cpp's next batched decode returned NaN logits on an Emerald Rapids."""
     out = tmp_path / "tiles.json"
     proc = run_in_child("tests.hosts.coexistence_cases:tiles_after_attention", str(out), model_path, timeout=300)
