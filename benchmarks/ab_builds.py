@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="processes per side, alternating")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--verbose", action="store_true", help="also print each process's median")
     args = ap.parse_args()
     sides = {"old": args.old.resolve(), "new": args.new.resolve()}
     runs: dict[str, list[dict[tuple[str, int], float]]] = {"old": [], "new": []}
@@ -125,6 +126,9 @@ def main() -> None:
         new = statistics.median(run[key] for run in runs["new"])
         table.append({"system": key[0], "window": key[1], "old_ms": old, "new_ms": new, "ratio": new / old})
         print(f"{key[0]:>28} {key[1]:>6} {old:9.2f} {new:9.2f} {new / old:8.2f}")
+        if args.verbose:
+            for side in ("old", "new"):
+                print(f"{'':>36}{side}: " + " ".join(f"{run[key]:.2f}" for run in runs[side]))
     if args.json:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         args.json.write_text(json.dumps({"cpu": cpu, "args": settings, "rows": table}, indent=1))
