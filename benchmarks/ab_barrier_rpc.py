@@ -19,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from machine import cpu_family_model, cpu_name
 from pyggml_dkv import Backend, DraftConfig, DraftKvCache, DraftWeights, FeatureRing
 from pyggml_dkv.serving import RpcServerProcess
-
-from machine import cpu_family_model, cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(hidden=1024, n_layer=5, n_head=16, n_head_kv=4, head_dim=64, ffn=3072, block_size=16, n_target_layers=5)
@@ -54,8 +53,10 @@ def main() -> None:
     n_pos = W + (args.steps + 4) * n_new
     feats = np.random.default_rng(1).standard_normal((n_pos, cfg.fc_in)).astype(np.float32)
     noise = np.random.default_rng(2).standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
-    print(f"CPU: {cpu_name()} ({cpu_family_model()}), server threads {args.threads}, small drafter {args.dtype}, "
-          f"window {W}, {n_new} new rows a step; median ms of {args.steps} steps each")
+    print(
+        f"CPU: {cpu_name()} ({cpu_family_model()}), server threads {args.threads}, small drafter {args.dtype}, "
+        f"window {W}, {n_new} new rows a step; median ms of {args.steps} steps each"
+    )
     for policy in args.policies.split(","):
         env = dict(os.environ, OMP_WAIT_POLICY=policy)
         ours_env = dict(env, PYGGML_DKV_GGML_KERNELS_ONLY="1")
@@ -73,15 +74,18 @@ def main() -> None:
                 cache.step(ring, W, noise)
                 sides[name] = (be, bw, cache, ring, [W], [])
             for _ in range(args.steps):
-                for name, (be, bw, cache, ring, committed, times) in sides.items():
+                for _be, _bw, cache, ring, committed, times in sides.values():
                     committed[0] += n_new
                     t0 = time.perf_counter()
                     cache.step(ring, committed[0], noise)
                     times.append(time.perf_counter() - t0)
             med = {name: 1e3 * statistics.median(s[5]) for name, s in sides.items()}
             a, b = med.values()
-            print(f"OMP_WAIT_POLICY={policy:8s} " + "  ".join(f"{k}: {v:.2f}" for k, v in med.items())
-                  + f"  ours/llama.cpp {b / a:.2f}")
+            print(
+                f"OMP_WAIT_POLICY={policy:8s} "
+                + "  ".join(f"{k}: {v:.2f}" for k, v in med.items())
+                + f"  ours/llama.cpp {b / a:.2f}"
+            )
             for be, bw, cache, *_ in sides.values():
                 cache.close()
                 bw.close()
