@@ -30,7 +30,7 @@ weight type as a dflash GGUF that both sides load.
 
 DFlash-2 (`--drafter dflash2`, windows 64 / 2048 / 4096 unless given): the shipped SmolLM2 drafter
 (hidden 576, 4 layers, block 8) lifted to DFlash-2 as tests/hosts/test_dflash2_host.py lifts it
-(K 3, group 64, R 64, top-k 8; `lifted_dflash2` below), with the target's token embedding and
+(K 3, group 64, R 64, top-k 8; `lifted_smollm2_dflash2`), with the target's token embedding and
 output as token_embd / output, written per weight type. A step is then the draft as each side's
 host takes it:
   ours_ids     DraftKvCache.step_tokens(..., output="ids"): the selector's greedy walk in the graph,
@@ -79,13 +79,12 @@ from machine import cpu_name  # noqa: E402  (benchmarks/machine.py: this script'
 from pyggml_dkv import Backend, DraftKvCache, FeatureRing  # noqa: E402
 from pyggml_dkv.drafter.backend_weights import upload_stored  # noqa: E402
 from pyggml_dkv.ggml import cpu_repack_kernel  # noqa: E402
-from pyggml_dkv.hosts.llama_cpp.drafters import target_embeddings  # noqa: E402
+from pyggml_dkv.hosts.llama_cpp.drafters import lifted_smollm2_dflash2, target_embeddings  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp.gguf import GGUFFile  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp.native_dflash import llama_cpp_available, llama_dflash_bench  # noqa: E402
-from pyggml_dkv.hosts.pretrained import smollm2_drafter_path  # noqa: E402
 from pyggml_dkv.hosts.smollm2 import smollm2_gguf  # noqa: E402
 from pyggml_dkv.model.config import DraftConfig  # noqa: E402
-from pyggml_dkv.model.weights import DraftWeights, load_gguf  # noqa: E402
+from pyggml_dkv.model.weights import DraftWeights  # noqa: E402
 from step_probes import kernels_used  # noqa: E402
 
 log = logging.getLogger("bench_llama_cpp")
@@ -111,34 +110,13 @@ def write_drafter(dtype: str, out_dir: Path) -> Path:
     return w.save_pretrained(out_dir / f"small.{dtype}.gguf", format="gguf", dtype=dtype, vocab_from=smollm2_gguf())
 
 
-def lifted_dflash2(seed: int = 0, kernel: int = 3, group: int = 64, rank: int = 64, top_k: int = 8) -> DraftWeights:
-    """The shipped (DFlash-1) SmolLM2 drafter with DFlash-2 parts added, the recipe of
-    tests/hosts/test_dflash2_host.py's `lifted_dflash2`: base kernels near the identity (tap 0 = 1,
-    earlier rows 0.02), small projections, codebooks whose edge term is ~0.1-0.3 logits. Plus the
-    target's token embedding and output (SmolLM2's tied embedding), so that llama.cpp runs the
-    file without a target context."""
-    w1 = load_gguf(smollm2_drafter_path())
-    cfg = w1.cfg.replace(
-        vocab=N_VOCAB, conv_kernel_size=kernel, conv_group_size=group, selector_rank=rank, selector_top_k=top_k
-    )
-    rng = np.random.default_rng(seed)
-    h, groups = cfg.hidden, cfg.hidden // group
-    extra: dict[str, np.ndarray] = {}
-    for layer in range(cfg.n_layer):
-        for conv in ("attention_conv", "mlp_conv"):
-            base = (rng.standard_normal((2, kernel, h)) * 0.02).astype(np.float32)
-            base[:, 0, :] = 1.0
-            extra[f"layers.{layer}.{conv}.base_kernel"] = base
-            extra[f"layers.{layer}.{conv}.kernel_projection.weight"] = (
-                rng.standard_normal((2 * kernel * groups, h)) * 0.002
-            ).astype(np.float32)
-    extra["candidate_selector.hidden_projection.weight"] = (rng.standard_normal((rank, h)) / np.sqrt(h)).astype(
-        np.float32
-    )
-    for book in ("predecessor_codebook", "successor_codebook"):
-        extra[f"candidate_selector.{book}"] = (rng.standard_normal((N_VOCAB, rank)) * 0.15).astype(np.float32)
+def lifted_dflash2() -> DraftWeights:
+    """`lifted_smollm2_dflash2` (the shipped drafter with DFlash-2 parts) plus the target's token
+    embedding and output (SmolLM2's tied embedding), so that llama.cpp runs the file without a
+    target context."""
+    w = lifted_smollm2_dflash2()
     embed, head = target_embeddings(GGUFFile(smollm2_gguf()))
-    return DraftWeights(cfg, {**dict(w1.items()), **extra}, embed_tokens=embed, lm_head=head)
+    return DraftWeights(w.cfg, dict(w.items()), embed_tokens=embed, lm_head=head)
 
 
 def write_dflash2_drafter(dtype: str, out_dir: Path) -> Path:

@@ -263,7 +263,7 @@ class Drafter:
         }
         if any(r is not None and not isinstance(r, np.random.Generator) for r in settings["rng"]):
             raise ValueError("rng must be a numpy Generator, None, or one of those per lane")
-        rngs = [r if r is not None else np.random.default_rng() for r in settings["rng"]]
+        rngs = settings["rng"]  # a lane that samples without one gets a fresh generator
         given = {lane: tok for lane, tok in enumerate(last_tokens) if tok is not None}
         active = list(given)
         if not active:
@@ -298,7 +298,7 @@ class Drafter:
                 results[lane] = confident_prefix(rows, self.p_min)
             else:
                 probs = sampling_probs(rows, t, settings["top_k"][lane], settings["top_p"][lane])
-                results[lane] = (sample_rows(probs, rngs[lane]), probs)
+                results[lane] = (sample_rows(probs, rngs[lane] or np.random.default_rng()), probs)
         return results
 
     def _propose_dflash2(
@@ -309,7 +309,7 @@ class Drafter:
         active: list[int],
         greedy_ids: bool,
         temperatures: list[float],
-        rngs: list[np.random.Generator],
+        rngs: list[np.random.Generator | None],
     ) -> list[Any]:
         """DFlash-2 drafts come from the candidate selector's walk (docs/dflash2.md): greedy ids
         from the graph's own walk; a p_min cut-off or a sampled path from the block's lattice.
@@ -326,7 +326,7 @@ class Drafter:
             elif t == 0:
                 results[lane] = greedy_walk(per_lane[lane], self.p_min)
             else:
-                results[lane] = sampled_walk(per_lane[lane], t, self.vocab, rngs[lane])
+                results[lane] = sampled_walk(per_lane[lane], t, self.vocab, rngs[lane] or np.random.default_rng())
         return results
 
     def _per_lane(self, name: str, value: Any) -> list[Any]:

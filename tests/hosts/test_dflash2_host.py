@@ -25,6 +25,7 @@ from pyggml_dkv.hosts.llama_cpp import (  # noqa: E402
     ggml_drafter,
     plain_greedy,
 )
+from pyggml_dkv.hosts.llama_cpp.drafters import lifted_smollm2_dflash2  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp.sampling import sampling_probs  # noqa: E402
 from pyggml_dkv.hosts.pretrained import smollm2_drafter_path  # noqa: E402
 from pyggml_dkv.model.weights import load_gguf  # noqa: E402
@@ -36,37 +37,9 @@ NEAR_TIE = 0.5  # as tests/hosts/test_generate.py: batch-shape noise of this Q4_
 N_NEW = 40
 
 
-def lifted_dflash2(seed: int = 0, kernel: int = 3, group: int = 64, rank: int = 64, top_k: int = 8) -> DraftWeights:
-    """The shipped DFlash-1 drafter with DFlash-2 parts added: base kernels near the identity
-    (tap 0 = 1, earlier rows 0.02), small projections, and codebooks whose edge term is ~0.1-0.3
-    logits: enough to reorder close candidates."""
-    w1 = load_gguf(smollm2_drafter_path())
-    vocab = 49152
-    cfg = w1.cfg.replace(
-        vocab=vocab, conv_kernel_size=kernel, conv_group_size=group, selector_rank=rank, selector_top_k=top_k
-    )
-    rng = np.random.default_rng(seed)
-    h, groups = cfg.hidden, cfg.hidden // group
-    extra: dict[str, np.ndarray] = {}
-    for layer in range(cfg.n_layer):
-        for conv in ("attention_conv", "mlp_conv"):
-            base = (rng.standard_normal((2, kernel, h)) * 0.02).astype(np.float32)
-            base[:, 0, :] = 1.0
-            extra[f"layers.{layer}.{conv}.base_kernel"] = base
-            extra[f"layers.{layer}.{conv}.kernel_projection.weight"] = (
-                rng.standard_normal((2 * kernel * groups, h)) * 0.002
-            ).astype(np.float32)
-    extra["candidate_selector.hidden_projection.weight"] = (rng.standard_normal((rank, h)) / np.sqrt(h)).astype(
-        np.float32
-    )
-    for book in ("predecessor_codebook", "successor_codebook"):
-        extra[f"candidate_selector.{book}"] = (rng.standard_normal((vocab, rank)) * 0.15).astype(np.float32)
-    return DraftWeights(cfg, {**dict(w1.items()), **extra}, stored=dict(w1.stored))
-
-
 @pytest.fixture(scope="module")
 def weights() -> DraftWeights:
-    return lifted_dflash2()
+    return lifted_smollm2_dflash2()
 
 
 @pytest.fixture(scope="module")

@@ -83,11 +83,11 @@ def plain_refs(llama_cpp):
 @pytest.fixture(scope="module")
 def dflash2_gguf(tmp_path_factory) -> str:
     """The shipped drafter lifted to DFlash-2 (tests/hosts/test_dflash2_host.py), as a GGUF file."""
+    from pyggml_dkv.hosts.llama_cpp.drafters import lifted_smollm2_dflash2
     from pyggml_dkv.model.gguf_write import save_gguf
-    from tests.hosts.test_dflash2_host import lifted_dflash2
 
     path = tmp_path_factory.mktemp("dflash2") / "smollm2-dflash2.gguf"
-    save_gguf(lifted_dflash2(seed=2), path, dtype="q8_0", vocab_from=smollm2_path())
+    save_gguf(lifted_smollm2_dflash2(seed=2), path, dtype="q8_0", vocab_from=smollm2_path())
     return str(path)
 
 

@@ -17,11 +17,11 @@ pytest.importorskip("gguf", reason="writing the DFlash-2 GGUF needs the gguf pac
 from pyggml_dkv import Backend, DraftWeights  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp import LlamaTarget, compare_to_plain, ggml_drafter, plain_greedy  # noqa: E402
 from pyggml_dkv.hosts.llama_cpp.batched_target import BatchedLlamaTarget  # noqa: E402
+from pyggml_dkv.hosts.llama_cpp.drafters import lifted_smollm2_dflash2  # noqa: E402
 from pyggml_dkv.model.gguf_write import save_gguf  # noqa: E402
 from pyggml_dkv.serving.engine import RequestParams, SpeculativeEngine  # noqa: E402
 from pyggml_dkv.serving.policy import FixedPolicy  # noqa: E402
 from tests.hosts.hosts_helpers import PROMPTS, THREADS, smollm2_path  # noqa: E402
-from tests.hosts.test_dflash2_host import lifted_dflash2  # noqa: E402
 
 pytestmark = pytest.mark.slow  # loads SmolLM2 in llama.cpp: the slow tier (pytest -m 'not slow' skips it)
 
@@ -33,7 +33,7 @@ PARALLEL = 4
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> DraftWeights:
     path = Path(tmp_path_factory.mktemp("dflash2")) / "smollm2-dflash2.gguf"
-    save_gguf(lifted_dflash2(seed=4), path, dtype="q8_0", vocab_from=smollm2_path())
+    save_gguf(lifted_smollm2_dflash2(seed=4), path, dtype="q8_0", vocab_from=smollm2_path())
     w = DraftWeights.from_pretrained(path)
     assert w.cfg.is_dflash2
     return w

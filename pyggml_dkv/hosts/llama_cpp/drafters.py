@@ -134,6 +134,45 @@ def random_smollm2_weights(seed: int = 0, **changes: Any) -> DraftWeights:
     return DraftWeights.random(smollm2_draft_config(**changes), seed=seed)
 
 
+def lifted_smollm2_dflash2(
+    seed: int = 0, kernel: int = 3, group: int = 64, rank: int = 64, top_k: int = 8
+) -> DraftWeights:
+    """The shipped (DFlash-1) SmolLM2 drafter with DFlash-2 parts added, for tests and benchmarks
+    (no trained DFlash-2 drafter ships): base kernels near the identity (tap 0 = 1, earlier rows
+    0.02), small tap projections, and codebooks whose edge term is ~0.1-0.3 logits, enough to
+    reorder close candidates. Its drafts are accepted about as often as the shipped drafter's,
+    while every DFlash-2 part of a step runs and matters."""
+    from ...model.weights import load_gguf
+    from ..pretrained import smollm2_drafter_path
+
+    w1 = load_gguf(smollm2_drafter_path())
+    vocab = w1.cfg.vocab or 49152  # the target's (the shipped file borrows its head)
+    cfg = w1.cfg.replace(
+        vocab=vocab,
+        conv_kernel_size=kernel,
+        conv_group_size=group,
+        selector_rank=rank,
+        selector_top_k=top_k,
+    )
+    rng = np.random.default_rng(seed)
+    h, groups = cfg.hidden, cfg.hidden // group
+    extra: dict[str, np.ndarray] = {}
+    for layer in range(cfg.n_layer):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = (rng.standard_normal((2, kernel, h)) * 0.02).astype(np.float32)
+            base[:, 0, :] = 1.0
+            extra[f"layers.{layer}.{conv}.base_kernel"] = base
+            extra[f"layers.{layer}.{conv}.kernel_projection.weight"] = (
+                rng.standard_normal((2 * kernel * groups, h)) * 0.002
+            ).astype(np.float32)
+    extra["candidate_selector.hidden_projection.weight"] = (rng.standard_normal((rank, h)) / np.sqrt(h)).astype(
+        np.float32
+    )
+    for book in ("predecessor_codebook", "successor_codebook"):
+        extra[f"candidate_selector.{book}"] = (rng.standard_normal((vocab, rank)) * 0.15).astype(np.float32)
+    return DraftWeights(cfg, {**dict(w1.items()), **extra}, stored=dict(w1.stored))
+
+
 class _FeatureCounter:
     """Feature bookkeeping shared by the numpy drafters: keeps every committed row."""
 

@@ -206,11 +206,10 @@ class Drafter:
         """The noise block at positions committed.. -> logits (q_len, vocab); leaves no trace."""
         return self.noise_logits_seqs([(seq, tokens, committed)])[0]
 
-    def noise_logits_seqs(self, blocks: list[tuple[int, np.ndarray, int]]) -> np.ndarray:
-        """(seq, tokens, committed) per sequence, in increasing seq order, blocks of equal width:
-        one decode of all the noise blocks (sequence 0's block first, then 1's, ...; llama.cpp's
-        split_equal takes equal-width blocks of consecutive sequence ids), logits for every row ->
-        (n_blocks, q_len, vocab); then each sequence's noise rows leave its cache."""
+    def _decode_noise_blocks(self, blocks: list[tuple[int, np.ndarray, int]], output_logits: bool) -> int:
+        """One decode of the noise blocks (seq, tokens, committed), in increasing seq order, of equal
+        width (llama.cpp's split_equal takes equal-width blocks of consecutive sequence ids), each
+        row's logits output flag set to `output_logits`; returns the width q_len."""
         L = self.L
         q_len = len(blocks[0][1])
         if any(len(t) != q_len for _, t, _ in blocks):
@@ -225,15 +224,30 @@ class Drafter:
                 if idx < 0:
                     raise RuntimeError(f"llama_batch_ext_add_token returned {idx}")
                 self._pos(idx, committed + j)
-                L.llama_batch_ext_set_output_logits(self.batch, idx, True)
+                L.llama_batch_ext_set_output_logits(self.batch, idx, output_logits)
         self._process()
-        out = np.empty((len(blocks), q_len, self.n_vocab), dtype=np.float32)
-        for b in range(len(blocks)):
+        return q_len
+
+    def _read_logits(self, n_blocks: int, q_len: int) -> np.ndarray:
+        """The last decode's logits of every row -> (n_blocks, q_len, vocab)."""
+        out = np.empty((n_blocks, q_len, self.n_vocab), dtype=np.float32)
+        for b in range(n_blocks):
             for j in range(q_len):
-                ptr = L.llama_get_logits_ith(self.ctx, b * q_len + j)
+                ptr = self.L.llama_get_logits_ith(self.ctx, b * q_len + j)
                 out[b, j] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        return out
+
+    def _forget_noise(self, blocks: list[tuple[int, np.ndarray, int]]) -> None:
         for seq, _, committed in blocks:
             self.forget(seq, committed)
+
+    def noise_logits_seqs(self, blocks: list[tuple[int, np.ndarray, int]]) -> np.ndarray:
+        """(seq, tokens, committed) per sequence, in increasing seq order, blocks of equal width:
+        one decode of all the noise blocks (sequence 0's block first, then 1's, ...), logits for
+        every row -> (n_blocks, q_len, vocab); then each sequence's noise rows leave its cache."""
+        q_len = self._decode_noise_blocks(blocks, output_logits=True)
+        out = self._read_logits(len(blocks), q_len)
+        self._forget_noise(blocks)
         return out
 
     def noise_lattice_seqs(
@@ -245,24 +259,9 @@ class Drafter:
         the packed lattice rows read back (llama_get_embeddings_nextn) and walked per block
         (walk_lattice) -> (ids per block, packed rows (n_blocks, q_len, n_embd), logits
         (n_blocks, q_len, vocab) or None); then each sequence's noise rows leave its cache."""
-        L = self.L
         if not self.dflash2:
             raise ValueError("not a DFlash-2 drafter (dflash.selector_top_k is 0)")
-        q_len = len(blocks[0][1])
-        if any(len(t) != q_len for _, t, _ in blocks):
-            raise ValueError("the noise blocks of a packed decode must be of equal width")
-        if len(blocks) * q_len > self.n_batch:
-            raise ValueError(f"{len(blocks)} blocks of {q_len} exceed n_batch {self.n_batch}")
-        L.llama_batch_ext_clear(self.batch)
-        for seq, tokens, committed in blocks:
-            self._check_seq(seq)
-            for j, tok in enumerate(tokens):
-                idx = L.llama_batch_ext_add_token(self.batch, seq, int(tok))
-                if idx < 0:
-                    raise RuntimeError(f"llama_batch_ext_add_token returned {idx}")
-                self._pos(idx, committed + j)
-                L.llama_batch_ext_set_output_logits(self.batch, idx, logits)
-        self._process()
+        q_len = self._decode_noise_blocks(blocks, output_logits=logits)
         ptr = self.LX.llama_get_embeddings_nextn(self.ctx)
         if not ptr:
             raise RuntimeError("DFlash-2 selector produced no lattice (llama_get_embeddings_nextn is NULL)")
@@ -272,16 +271,8 @@ class Drafter:
             .copy()
         )
         ids = [walk_lattice(packed[b], self.selector_top_k, p_min, n_min) for b in range(len(blocks))]
-        out = None
-        if logits:
-            out = np.empty((len(blocks), q_len, self.n_vocab), dtype=np.float32)
-            for b in range(len(blocks)):
-                for j in range(q_len):
-                    out[b, j] = np.ctypeslib.as_array(
-                        L.llama_get_logits_ith(self.ctx, b * q_len + j), shape=(self.n_vocab,)
-                    )
-        for seq, _, committed in blocks:
-            self.forget(seq, committed)
+        out = self._read_logits(len(blocks), q_len) if logits else None
+        self._forget_noise(blocks)
         return ids, packed, out
 
     def _sync(self, seq: int, committed: int, cap: int) -> int:
