@@ -93,7 +93,10 @@ def test_llama_cpp_products_after_our_amx_kernels(model_path, tmp_path):
     proc = run_in_child("tests.hosts.coexistence_cases:tiles_after_attention", str(out), model_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(out.read_text())
-    assert got["after"] == {key: got["before"] for key in got["after"]} and len(got["after"]) == 2
+    from pyggml_dkv.ggml.capabilities import bf16_attention_supported
+
+    runs = 2 if bf16_attention_supported() else 1  # bf16 attention only where the build has it
+    assert got["after"] == {key: got["before"] for key in got["after"]} and len(got["after"]) == runs
 
 
 def test_llama_cpp_products_after_pytorch_released_the_tiles(model_path, tmp_path):
