@@ -29,7 +29,7 @@ namespace ggml::cpu::dkv {
 template <int RM, int RN>
 struct bf16_dp_tile {
     // x: the columns rounded to bf16 (passed as float * by the table's signature; ldx in bf16 values)
-    static void run(int64_t K, const uint16_t * w, int64_t ldw, const float * xf, int64_t ldx,
+    static inline __attribute__((always_inline)) void run(int64_t K, const uint16_t * w, int64_t ldw, const float * xf, int64_t ldx,
                     float * y, int64_t ldy, const uint16_t * next_w, const uint16_t * far_w) {
         const uint16_t * x = (const uint16_t *) xf;
         __m512 acc[4][6];
@@ -67,7 +67,6 @@ struct bf16_dp_tile {
     }
 };
 
-static constexpr narrow_tile_table<bf16_dp_tile> bf16_dp_tiles{};
 
 static bool bf16_dp_takes(const struct ggml_tensor * op) {
     return narrow_shape_ok(op, GGML_TYPE_BF16, 32);
@@ -113,8 +112,8 @@ static void bf16_dp_compute(const struct ggml_compute_params * params, struct gg
             // every column tile asks again (0026): the bf16 product is bound by its weights' stream
             const uint16_t * next_w = r + 4 < r1 ? w + 4*ldw : nullptr;
             const uint16_t * far_w  = next_w != nullptr && r + NARROW_FAR_ROWS < r1 ? w + NARROW_FAR_ROWS*ldw : nullptr;
-            bf16_dp_tiles.fn[rm - 1][rn - 1](K, w, ldw, (const float *) (xb + t*K), K,
-                                             (float *) op->data + t*ldy + r, ldy, next_w, far_w);
+            narrow_tile<bf16_dp_tile>(rm, rn, K, w, ldw, (const float *) (xb + t*K), K,
+                                      (float *) op->data + t*ldy + r, ldy, next_w, far_w);
         }
     }
 }

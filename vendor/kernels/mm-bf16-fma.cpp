@@ -31,7 +31,7 @@ namespace ggml::cpu::dkv {
 
 template <int RM, int RN>
 struct bf16_fma_tile {
-    static void run(int64_t K, const uint16_t * w, int64_t ldw, const float * x, int64_t ldx,
+    static inline __attribute__((always_inline)) void run(int64_t K, const uint16_t * w, int64_t ldw, const float * x, int64_t ldx,
                     float * y, int64_t ldy, const uint16_t * next_w, const uint16_t * far_w) {
         const __m512i high_halves = _mm512_set1_epi32((int) 0xFFFF0000u);
         __m512 acc[4][6];
@@ -84,7 +84,6 @@ struct bf16_fma_tile {
     }
 };
 
-static constexpr narrow_tile_table<bf16_fma_tile> bf16_fma_tiles{};
 
 static bool bf16_fma_takes(const struct ggml_tensor * op) {
     return narrow_shape_ok(op, GGML_TYPE_BF16, 32);
@@ -117,7 +116,7 @@ static void bf16_fma_compute(const struct ggml_compute_params * params, struct g
     }
 
     // 2. the row blocks, as the f16 product runs them
-    narrow_fma_rows(params, bf16_fma_tiles.fn, (const uint16_t *) src0->data, src0->nb[1] / 2,
+    narrow_fma_rows<bf16_fma_tile>(params, (const uint16_t *) src0->data, src0->nb[1] / 2,
                     xd, K, (float *) op->data, op->nb[1] / sizeof(float), src0->ne[1], N, K);
 }
 

@@ -29,7 +29,7 @@ namespace ggml::cpu::dkv {
 
 template <int RM, int RN>
 struct f16_tile {
-    static void run(int64_t K, const uint16_t * w, int64_t ldw, const float * x, int64_t ldx,
+    static inline __attribute__((always_inline)) void run(int64_t K, const uint16_t * w, int64_t ldw, const float * x, int64_t ldx,
                     float * y, int64_t ldy, const uint16_t * next_w, const uint16_t * far_w) {
         __m512 acc[4][6];
         for (int i = 0; i < RM; i++) {
@@ -66,7 +66,6 @@ struct f16_tile {
     }
 };
 
-static constexpr narrow_tile_table<f16_tile> f16_tiles{};
 
 static bool f16_takes(const struct ggml_tensor * op) {
     return narrow_shape_ok(op, GGML_TYPE_F16, 16);
@@ -79,7 +78,7 @@ static size_t f16_work_size(int, const struct ggml_tensor *) {
 static void f16_compute(const struct ggml_compute_params * params, struct ggml_tensor * op) {
     const struct ggml_tensor * src0 = op->src[0];
     const struct ggml_tensor * src1 = op->src[1];
-    narrow_fma_rows(params, f16_tiles.fn, (const uint16_t *) src0->data, src0->nb[1] / 2,
+    narrow_fma_rows<f16_tile>(params, (const uint16_t *) src0->data, src0->nb[1] / 2,
                     (const float *) src1->data, src1->nb[1] / sizeof(float),
                     (float *) op->data, op->nb[1] / sizeof(float), src0->ne[1], src1->ne[1], src0->ne[0]);
 }
