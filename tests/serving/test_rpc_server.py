@@ -76,3 +76,14 @@ def test_loud_warning_beyond_loopback_only(caplog):
         assert not caplog.records
         rpc_server._warn_if_exposed(ipaddress.IPv4Address("0.0.0.0"), 5000)  # not bound: the check only
     assert "NO authentication and NO encryption" in caplog.text
+
+
+def test_llama_cpp_server_needs_an_executable(tmp_path, free_port):
+    """RpcServerProcess.llama_cpp names a missing or non-executable binary before starting anything."""
+    not_executable = tmp_path / "ggml-rpc-server"
+    not_executable.write_text("#!/bin/sh\n")
+    for binary in (tmp_path / "missing", not_executable, tmp_path):
+        with pytest.raises(rpc_server.RpcServerError, match="is not an executable file"):
+            RpcServerProcess.llama_cpp(binary, free_port())
+    with pytest.raises(ValueError, match="--port"):
+        RpcServerProcess.llama_cpp(not_executable, 0)
