@@ -8,7 +8,9 @@ all rounds of each side, and new / old.
 `--old` / `--new`: checkouts, each with its own `.venv` (its ggml built and installed). The step
 benchmark is `bench_step.py --configs small` (the kv systems; no PyTorch); the llama.cpp one is
 `bench_llama_cpp.py` (ours and llama.cpp's drafter, which is the same on both sides: its ratio
-moving says the machine moved). Each checkout runs its own copy of the script.
+moving says the machine moved). Each checkout runs its own copy of the script. The step benchmark
+runs with OpenMP's default wait policy (as in a llama.cpp host), not bench_step.py's own default
+(PASSIVE). `--verbose` prints each process's median: the first processes of a run are often slower.
 """
 
 from __future__ import annotations
