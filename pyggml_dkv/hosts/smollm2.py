@@ -86,6 +86,7 @@ if __name__ == "__main__":
 # A DFlash drafter shape for SmolLM2-135M (hidden 576, 30 layers, vocab 49152): five target
 # layers spread over the depth, a Qwen3-style block with SmolLM2's attention geometry.
 SMOLLM2_LAYER_IDS = (1, 8, 15, 22, 28)
+SMOLLM2_VOCAB = 49152
 
 
 def smollm2_draft_config(**changes: Any) -> DraftConfig:
@@ -102,7 +103,7 @@ def smollm2_draft_config(**changes: Any) -> DraftConfig:
         rms_eps=1e-5,
         rope_theta=100_000.0,
         mask_token_id=0,
-        vocab=49152,
+        vocab=SMOLLM2_VOCAB,
     )
     base.update(changes)
     return DraftConfig(**base)

@@ -27,7 +27,7 @@ from ...model.weights import DraftWeights
 
 # the SmolLM2 drafter shape lives beside the model's download (hosts/smollm2.py), free of ggml and
 # llama.cpp so that a GPU training machine reads it without either; re-exported here
-from ..smollm2 import SMOLLM2_LAYER_IDS, smollm2_draft_config  # noqa: F401
+from ..smollm2 import SMOLLM2_LAYER_IDS, SMOLLM2_VOCAB, smollm2_draft_config  # noqa: F401
 from .errors import IncompatibleDrafterError
 from .gguf import GGUFFile
 from .sampling import draw_rows, sampling_probs
@@ -146,7 +146,7 @@ def lifted_smollm2_dflash2(
     from ..pretrained import smollm2_drafter_path
 
     w1 = load_gguf(smollm2_drafter_path())
-    vocab = w1.cfg.vocab or 49152  # the target's (the shipped file borrows its head)
+    vocab = w1.cfg.vocab or SMOLLM2_VOCAB  # the target's (the shipped file borrows its head)
     cfg = w1.cfg.replace(
         vocab=vocab,
         conv_kernel_size=kernel,
