@@ -1,6 +1,8 @@
 """Our tiled flash attention against ggml's own, side by side: the same Q, K/V and mask with K/V in
 our CPU_DKV buffer (our kernel: vendor/kernels/flash-attn-tiled.cpp) and in ggml's CPU buffer
-(ggml 0.25.3's: its tiled kernel from 64 query rows per head, its per-row one below).
+(ggml 0.25.3's: its tiled kernel from 64 query rows per head, its per-row one below), and, where the
+build and CPU have them (`bf16_attention_kernel()`), our kernel's bf16 products (attention="bf16":
+vendor/kernels/flash-attn-bf16.cpp) on the same K/V.
 
     python benchmarks/ab_flash_attn.py [--threads 2] [--reps 40]
 
@@ -34,7 +36,12 @@ from pyggml_dkv.ggml import (  # noqa: E402
     Graph,
     cpu_extra_buffer_types,
 )
-from pyggml_dkv.ggml.capabilities import DKV_BUFFER_TYPE, dkv_buffer_available, flash_attn_kernel  # noqa: E402
+from pyggml_dkv.ggml.capabilities import (  # noqa: E402
+    DKV_BUFFER_TYPE,
+    bf16_attention_kernel,
+    dkv_buffer_available,
+    flash_attn_kernel,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
@@ -46,7 +53,9 @@ COUNT = 5  # one per layer of the small drafter
 
 
 class Attention:
-    def __init__(self, backend: Backend, n_q: int, n_head: int, window: int, dkv: bool, seed: int) -> None:
+    def __init__(
+        self, backend: Backend, n_q: int, n_head: int, window: int, dkv: bool, seed: int, bf16: bool = False
+    ) -> None:
         rng = np.random.default_rng(seed)
         self.kvctx = Context(n_tensors=2 * COUNT)
         self.ks = [self.kvctx.new_tensor("f16", D, CACHE, KV_HEADS) for _ in range(COUNT)]
@@ -71,7 +80,9 @@ class Attention:
         self.gctx = Context(n_tensors=size, graph_size=size)
         self.graph = Graph(self.gctx, size)
         self.outs = [
-            self.graph.expand(self.gctx.flash_attn_ext(self.q, k, v, self.mask, 1 / math.sqrt(D), prec_f32=True))
+            self.graph.expand(
+                self.gctx.flash_attn_ext(self.q, k, v, self.mask, 1 / math.sqrt(D), prec_f32=not bf16, prec_bf16=bf16)
+            )
             for k, v in zip(self.ks, self.vs)
         ]
         self.galloc = Gallocr(backend)
@@ -95,30 +106,37 @@ def main() -> None:
     args = ap.parse_args()
     if not dkv_buffer_available():
         raise SystemExit("this ggml has no CPU_DKV buffer type (GGML_PATCHES=none?): nothing to compare")
+    bf16 = bf16_attention_kernel() != "f32"
     print(
         f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; {args.threads} thread(s), median of {args.reps} alternated computes"
     )
     print(
         f"{'rows/head':>9} {'heads':>5} {'window':>6} {'ours':>6} {'ours us':>9} {'ggml us':>9} {'ours/ggml':>9} {'max |diff|':>10}"
+        + (f" {'bf16 us':>9} {'bf16/ours':>9} {'bf16/ggml':>9}" if bf16 else "")
     )
     with Backend("cpu", n_threads=args.threads) as backend:
         for n_q, n_head, window in SHAPES:
-            ours = Attention(backend, n_q, n_head, window, True, seed=1)
-            ggml = Attention(backend, n_q, n_head, window, False, seed=1)
-            for p in (ours, ggml, ours, ggml):  # warm-up
-                p.time_one()
-            diff = float(np.abs(ours.outs[0].numpy() - ggml.outs[0].numpy()).max())
-            t_ours, t_ggml = [], []
+            systems = [
+                Attention(backend, n_q, n_head, window, True, seed=1),
+                Attention(backend, n_q, n_head, window, False, seed=1),
+            ]
+            if bf16:
+                systems.append(Attention(backend, n_q, n_head, window, True, seed=1, bf16=True))
+            for _ in range(2):  # warm-up
+                for p in systems:
+                    p.time_one()
+            diff = float(np.abs(systems[0].outs[0].numpy() - systems[1].outs[0].numpy()).max())
+            times: list[list[float]] = [[] for _ in systems]
             for _ in range(args.reps):
-                t_ours.append(ours.time_one())
-                t_ggml.append(ggml.time_one())
-            a, b = statistics.median(t_ours), statistics.median(t_ggml)
-            print(
-                f"{n_q:>9} {n_head:>5} {window:>6} {flash_attn_kernel(n_q):>6} {a * 1e6:9.1f} {b * 1e6:9.1f} {a / b:9.2f} {diff:10.2e}",
-                flush=True,
-            )
-            ours.close()
-            ggml.close()
+                for p, t in zip(systems, times):
+                    t.append(p.time_one())
+            med = [statistics.median(t) for t in times]
+            line = f"{n_q:>9} {n_head:>5} {window:>6} {flash_attn_kernel(n_q):>6} {med[0] * 1e6:9.1f} {med[1] * 1e6:9.1f} {med[0] / med[1]:9.2f} {diff:10.2e}"
+            if bf16:
+                line += f" {med[2] * 1e6:9.1f} {med[2] / med[0]:9.2f} {med[2] / med[1]:9.2f}"
+            print(line, flush=True)
+            for p in systems:
+                p.close()
 
 
 if __name__ == "__main__":

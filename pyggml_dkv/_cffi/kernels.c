@@ -32,6 +32,9 @@ static const char kernels[] = ""
 #ifdef PYGGML_DKV_HAS_BARRIER_FUTEX
     ",barrier-futex"    /* P2: ggml's node barrier spins, then sleeps on a futex (OpenMP on Linux) */
 #endif
+#ifdef PYGGML_DKV_HAS_FA_BF16
+    ",fa-bf16"          /* ggml's CPU flash attention takes GGML_PREC_BF16 (computes it in f32) */
+#endif
 #ifdef PYGGML_DKV_HAS_ARGMAX_ROWS
     ",argmax-rows"      /* P8: ggml's argmax over the threads, 16 values at a time (AVX-512) */
 #endif
@@ -76,6 +79,9 @@ static const char kernels[] = ""
 /* flash attention over K/V caches in CPU_DKV buffers (vendor/kernels/flash-attn.h) */
 #if defined(PYGGML_DKV_HAS_FA_TILED) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
     ",fa-tiled"         /* flash-attn-tiled.cpp: f32 64 x 64 tiles from 8 query rows (AVX-512) */
+#endif
+#if defined(PYGGML_DKV_HAS_FA_BF16_AVX512) && defined(PYGGML_DKV_HAS_FA_TILED) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
+    ",fa-bf16-avx512"   /* flash-attn-bf16.cpp: the tiled kernel's products with bf16 inputs, vdpbf16ps */
 #endif
     ;
 

@@ -223,6 +223,10 @@ AMX_KERNEL = "amx-tile-config"
 FA_TILED_KERNEL = "fa-tiled"
 
 
+# the fewest query rows per head the tiled kernel takes
+Q_TILE_ROWS_MIN = 8
+
+
 def flash_attn_kernel(n_q: int, kv_type: str = "f16", dv: int = 64) -> str:
     """What a flash attention of `n_q` query rows per head over f16 / f32 K/V stored in the CPU_DKV
     buffer runs on here: "tiled" (ours: f32 tiles, 2e-6 of float64) or "ggml" (ggml's own: its tiled
@@ -230,7 +234,7 @@ def flash_attn_kernel(n_q: int, kv_type: str = "f16", dv: int = 64) -> str:
     if (
         FA_TILED_KERNEL in built_capabilities()
         and dkv_buffer_available()
-        and n_q >= 8
+        and n_q >= Q_TILE_ROWS_MIN
         and dv % 16 == 0
         and kv_type in ("f16", "f32")
         and lib.ggml_cpu_has_avx512()
@@ -239,21 +243,23 @@ def flash_attn_kernel(n_q: int, kv_type: str = "f16", dv: int = 64) -> str:
     return "ggml"
 
 
-# CPU flash attention with bf16 products on AMX tiles (our attention kernel): ggml's precision
-# GGML_PREC_BF16 (ggml 0.25.3 has the value, 15; our patch to ggml 0.10.1 added it as 16). ggml's
-# own CPU flash attention aborts on it, so it is asked for only where bf16_attention_supported().
+# attention="bf16": ggml's precision GGML_PREC_BF16 (ggml 0.25.3 has the value, 15; our patch to
+# ggml 0.10.1 added it as 16). Unpatched ggml's CPU flash attention aborts on it; with our patch
+# (BF16_ATTENTION_KERNEL) it computes in f32 there, and our tiled kernel (K/V in the CPU_DKV buffer)
+# runs its two products with bf16 inputs where the build has them.
 BF16_ATTENTION_KERNEL = "fa-bf16"
 GGML_PREC_BF16 = int(lib.GGML_PREC_BF16)
 
 
 def bf16_attention_supported() -> bool:
-    """True when the build carries our bf16 attention kernel (BF16_ATTENTION_KERNEL), so attention
-    may be asked for bf16 products (on AMX-BF16 tiles where the CPU has them, in f32 elsewhere)."""
+    """True when the build's CPU flash attention takes GGML_PREC_BF16 (BF16_ATTENTION_KERNEL), so
+    attention may be asked for bf16 products (bf16_attention_kernel says where they run; f32 elsewhere)."""
     return BF16_ATTENTION_KERNEL in built_capabilities()
 
 
-# the same bf16 products with AVX512-BF16 dot products on CPUs without AMX-BF16
+# the tiled kernel's bf16 products with AVX512-BF16 dot products (vdpbf16ps), and on AMX-BF16 tiles
 BF16_ATTENTION_AVX512_KERNEL = "fa-bf16-avx512"
+BF16_ATTENTION_AMX_KERNEL = "fa-bf16-amx"
 
 
 def no_amx_requested() -> bool:
@@ -277,13 +283,15 @@ def amx_bf16_usable() -> bool:
 
 
 def bf16_attention_kernel() -> str:
-    """What attention="bf16" (GGML_PREC_BF16) runs its two products on here: "amx" (AMX-BF16
-    tiles), "avx512_bf16" (vdpbf16ps) or "f32" (no bf16 products: the f32 kernel)."""
-    if not bf16_attention_supported():
+    """What attention="bf16" (GGML_PREC_BF16) runs its two products on here, for K/V in the CPU_DKV
+    buffer (the drafter's caches), head sizes multiples of 32 and 8+ query rows: "amx" (AMX-BF16
+    tiles), "avx512_bf16" (vdpbf16ps) or "f32" (no bf16 products: f32 throughout)."""
+    if not bf16_attention_supported() or flash_attn_kernel(Q_TILE_ROWS_MIN) != "tiled":
         return "f32"
-    if amx_bf16_usable():
+    kernels = built_capabilities()
+    if BF16_ATTENTION_AMX_KERNEL in kernels and amx_bf16_usable():
         return "amx"
-    if BF16_ATTENTION_AVX512_KERNEL in built_capabilities() and lib.ggml_cpu_has_avx512_bf16():
+    if BF16_ATTENTION_AVX512_KERNEL in kernels and lib.ggml_cpu_has_avx512_bf16():
         return "avx512_bf16"
     return "f32"
 

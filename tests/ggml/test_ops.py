@@ -398,10 +398,11 @@ needs_bf16_attention = pytest.mark.skipif(
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("d,n_q,n_kv", [(64, 70, 267), (64, 9, 267), (128, 20, 150), (64, 64, 4128)])
 def test_flash_attn_ext_bf16_products(rng, cpu_runs_bf16_attention, n_threads, d, n_q, n_kv):
-    """prec_bf16 (old patch 0009, 0011): on CPUs with AMX-BF16 or AVX512-BF16 both products take bf16 inputs with
-    f32 sums, so the result is within bf16 rounding of the reference (and not the f32 result); the
-    masking rules stay exact: keys no row may see hold NaN and must not reach the output, a row
-    that sees one key returns that key's value (to bf16 precision)."""
+    """prec_bf16 over K/V in our CPU_DKV buffer (the drafter's caches): where the build and CPU have
+    our bf16 products (vdpbf16ps, bf16_attention_kernel) both products take bf16 inputs with f32 sums,
+    so the result is within bf16 rounding of the reference (and not the f32 result); the masking
+    rules stay exact: keys no row may see hold NaN and must not reach the output, a row that sees
+    one key returns that key's value (to bf16 precision)."""
     n_head = 2
     q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
     k = rng.standard_normal((n_kv, n_head, d)).astype(np.float16).astype(np.float32)
@@ -430,6 +431,7 @@ def test_flash_attn_ext_bf16_products(rng, cpu_runs_bf16_attention, n_threads, d
                 lambda g, qt, kt, vt, m, bf=bf: g.flash_attn_ext(
                     qt, kt, vt, m, 1 / math.sqrt(d), prec_f32=not bf, prec_bf16=bf
                 ),
+                dkv=(1, 2),
             )
             for bf in (True, False)
         )
@@ -445,8 +447,11 @@ def test_flash_attn_ext_bf16_products(rng, cpu_runs_bf16_attention, n_threads, d
 
 
 @needs_bf16_attention
-def test_flash_attn_ext_bf16_falls_back_to_f32_for_other_head_sizes(be, rng):
-    """Head size 80 is no multiple of 32 (the AMX tiles' width in bf16): the f32 kernel runs."""
+@pytest.mark.parametrize("in_dkv", [True, False])
+def test_flash_attn_ext_bf16_falls_back_to_f32_for_other_head_sizes(be, rng, in_dkv):
+    """Head size 80 is no multiple of 32 (bf16 pairs in 32-value steps): our tiled kernel runs in
+    f32. K/V outside our buffer: ggml's own kernel takes the precision and computes in f32 (patch
+    fa-bf16; unpatched ggml aborts on it, hence Python's refusal without that capability)."""
     d, n_q, n_kv = 80, 16, 100
     q = rng.standard_normal((1, 1, n_q, d)).astype(np.float32)  # ggml [d, n_q, 1 head, 1]
     kv = rng.standard_normal((1, 1, n_kv, d)).astype(np.float16)
@@ -457,9 +462,36 @@ def test_flash_attn_ext_bf16_falls_back_to_f32_for_other_head_sizes(be, rng):
             be,
             specs,
             lambda g, qt, kt, vt, m, bf=bf: g.flash_attn_ext(qt, kt, vt, m, 0.1, prec_f32=not bf, prec_bf16=bf),
+            dkv=(1, 2) if in_dkv else (),
         )
         for bf in (True, False)
     )
+    np.testing.assert_array_equal(fast, exact)
+
+
+@needs_bf16_attention
+@pytest.mark.parametrize("n_q", [4, 16, 64])
+def test_flash_attn_ext_bf16_outside_our_buffer_is_ggml_f32(rng, n_q):
+    """prec_bf16 where none of our kernels takes the op (K/V in ggml's own buffer, as the one-shot
+    drafter's graph intermediates are; or fewer than 8 query rows): ggml's kernels compute it, bit
+    for bit their f32 result, rather than aborting."""
+    d, n_kv = 64, 150
+    q = rng.standard_normal((1, 2, n_q, d)).astype(np.float32)
+    kv = rng.standard_normal((1, 2, n_kv, d)).astype(np.float16)
+    mask = np.where(rng.random((n_q, n_kv)) < 0.8, 0, -np.inf).astype(np.float16)
+    mask[:, 0] = 0
+    specs = [("f32", q), ("f16", kv), ("f16", kv), ("f16", mask)]
+    with Backend("cpu", n_threads=2) as backend:
+        fast, exact = (
+            compute(
+                backend,
+                specs,
+                lambda g, qt, kt, vt, m, bf=bf: g.flash_attn_ext(qt, kt, vt, m, 0.125, prec_f32=not bf, prec_bf16=bf),
+                dkv=(1, 2) if n_q < 8 else (),
+            )
+            for bf in (True, False)
+        )
+    assert np.isfinite(fast).all()
     np.testing.assert_array_equal(fast, exact)
 
 

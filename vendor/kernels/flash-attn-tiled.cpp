@@ -5,8 +5,10 @@
 // scores), 0013 (operands pinned in registers), 0015 (mask scan by vpternlogd, next-tile prefetch),
 // 0017 (mask scans shared across heads, in the op's first phase), 0030 (the softmax pass templated
 // on the query vectors), 0035 (K/V prefetched into L2 4 tiles ahead), 0036 (products in 6-row
-// blocks). The bf16 products (0009, 0011, 0027, 0028: fa-bf16, fa-bf16-avx512) are not ported yet:
-// GGML_PREC_BF16 is declined here (Python never asks for it without those capabilities).
+// blocks). With GGML_PREC_BF16 (attention="bf16") and head sizes multiples of 32, its two products
+// take bf16 inputs (flash-attn-bf16.cpp, where the build has AVX512-BF16); elsewhere that precision
+// computes in f32, as ggml's own kernels do with patch 0007. The AMX-BF16 products of the 0.10.1
+// build (0009, 0028) are not ported.
 //
 // Why: ggml 0.25.3 tiles only from 64 query rows per head. Below, its per-row kernel rereads every
 // key for every row and accumulates V in f16 (a draft block's 16-64 rows: off by 6e-4 to 4e-3 from
@@ -304,6 +306,9 @@ static void fa_tiled_rows(const struct ggml_compute_params * params, struct ggml
     const int64_t DK = nek0;
     const int64_t DV = nev0;
     const bool kv_f16 = k->type == GGML_TYPE_F16;
+    // bf16 products: the operands are packed in the same scratch (each fits the f32 operand's space)
+    const fa_bf16_products * bf16 =
+        ggml_get_op_params_i32(dst, 3) == GGML_PREC_BF16 && DK % 32 == 0 ? fa_bf16_avx512_products() : nullptr;
 
     const int64_t rk2 = neq2/nek2, rk3 = neq3/nek3;
     const int64_t rv2 = neq2/nev2, rv3 = neq3/nev3;
@@ -351,15 +356,22 @@ static void fa_tiled_rows(const struct ggml_compute_params * params, struct ggml
             M[i] = -INFINITY;
             S[i] = 0.0f;
         }
-        memset(O, 0, (size_t) tile_rows*DV*sizeof(float));
+        memset(O, 0, (size_t) (bf16 ? QN : tile_rows)*DV*sizeof(float));  // bf16: the pad rows are computed too
 
         const int64_t ik3 = iq3 / rk3, ik2 = iq2 / rk2;
         const int64_t iv3 = iq3 / rv3, iv2 = iq2 / rv2;
 
-        for (int tq = 0; tq < QN; tq++) {
-            const float * pq = tq < tile_rows ? (const float *) ((const char *) q->data + ((iq1 + tq)*nbq1 + iq2*nbq2 + iq3*nbq3)) : nullptr;
-            for (int64_t d = 0; d < DK; d++) {
-                QT[d*QN + tq] = pq ? pq[d] : 0.0f;
+        const float * q_rows[Q_TILE_SZ];
+        for (int tq = 0; tq < tile_rows; tq++) {
+            q_rows[tq] = (const float *) ((const char *) q->data + ((iq1 + tq)*nbq1 + iq2*nbq2 + iq3*nbq3));
+        }
+        if (bf16) {
+            bf16->pack_queries((uint32_t *) QT, QN, q_rows, tile_rows, DK);
+        } else {
+            for (int tq = 0; tq < QN; tq++) {
+                for (int64_t d = 0; d < DK; d++) {
+                    QT[d*QN + tq] = tq < tile_rows ? q_rows[tq][d] : 0.0f;
+                }
             }
         }
 
@@ -411,16 +423,20 @@ static void fa_tiled_rows(const struct ggml_compute_params * params, struct ggml
                 }
             }
 
-            // K rows as f32 (a key no row sees is not read: its scores are overwritten below)
-            for (int tk = 0; tk < kv_tile; tk++) {
-                if (!((key_visible >> tk) & 1)) {
-                    continue;
+            // ST[tk][tq] = K[tk] . Q[tq]; K rows as f32 or bf16 (a key no row sees is not read: its
+            // scores are overwritten below)
+            const char * k_tile = (const char *) k->data + ic*nbk1 + ik2*nbk2 + ik3*nbk3;
+            if (bf16) {
+                bf16->pack_keys((uint16_t *) K32, k_tile, nbk1, key_visible, kv_tile, DK, kv_f16);
+                bf16->scores(ST, QN, (const uint16_t *) K32, (int) DK, (const uint32_t *) QT, kv_tile);
+            } else {
+                for (int tk = 0; tk < kv_tile; tk++) {
+                    if ((key_visible >> tk) & 1) {
+                        fa_t_row_to_f32(K32 + tk*DK, k_tile + tk*nbk1, DK, kv_f16);
+                    }
                 }
-                fa_t_row_to_f32(K32 + tk*DK, (const char *) k->data + (ic + tk)*nbk1 + ik2*nbk2 + ik3*nbk3, DK, kv_f16);
+                fa_t_gemm(ST, QN, K32, (int) DK, 1, QT, QN, kv_tile, (int) DK, QN, false);
             }
-
-            // ST[tk][tq] = K[tk] . Q[tq]
-            fa_t_gemm(ST, QN, K32, (int) DK, 1, QT, QN, kv_tile, (int) DK, QN, false);
 
             float pass_scale = scale;
             if (logit_softcap != 0.0f) {
@@ -444,13 +460,24 @@ static void fa_tiled_rows(const struct ggml_compute_params * params, struct ggml
                 }
             }
 
+            const char * v_tile = (const char *) v->data + ic*nbv1 + iv2*nbv2 + iv3*nbv3;
+            if (bf16) {
+                // keys in whole 32-key steps: weights and V rows past the tile's keys are zeros; the
+                // weights' pairs go where the mask rows were (read by the softmax pass, free now)
+                const int n_keys32 = (kv_tile + 31) / 32 * 32;
+                bf16->pack_weights((uint32_t *) mask32, ST, QN, kv_tile, n_keys32);
+                bf16->pack_values((uint32_t *) V32, v_tile, nbv1, key_visible, kv_tile, n_keys32, DV, kv_f16);
+                bf16->values(O, (int) DV, (const uint32_t *) mask32, QN, (const uint32_t *) V32, QN, n_keys32);
+                continue;
+            }
+
             // V rows as f32; a key no row sees gets zeros (0 * NaN would still poison the sum)
             for (int tk = 0; tk < kv_tile; tk++) {
                 if (!((key_visible >> tk) & 1)) {
                     memset(V32 + tk*DV, 0, DV*sizeof(float));
                     continue;
                 }
-                fa_t_row_to_f32(V32 + tk*DV, (const char *) v->data + (ic + tk)*nbv1 + iv2*nbv2 + iv3*nbv3, DV, kv_f16);
+                fa_t_row_to_f32(V32 + tk*DV, v_tile + tk*nbv1, DV, kv_f16);
             }
 
             // O[tq] += sum_tk P[tk][tq] * V[tk]   (P read transposed from ST)
@@ -486,7 +513,7 @@ static void fa_tiled_rows(const struct ggml_compute_params * params, struct ggml
 static bool fa_tiled_takes(const struct ggml_tensor * op) {
     const struct ggml_tensor * q = op->src[0], * k = op->src[1], * v = op->src[2], * mask = op->src[3];
     const int32_t prec = ggml_get_op_params_i32(op, 3);
-    return op->op == GGML_OP_FLASH_ATTN_EXT && (prec == GGML_PREC_DEFAULT || prec == GGML_PREC_F32) &&
+    return op->op == GGML_OP_FLASH_ATTN_EXT && (prec == GGML_PREC_DEFAULT || prec == GGML_PREC_F32 || prec == GGML_PREC_BF16) &&
            q->type == GGML_TYPE_F32 && op->type == GGML_TYPE_F32 &&
            k->type == v->type && (k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_F32) &&
            (mask == nullptr || mask->type == GGML_TYPE_F16) &&

@@ -1,7 +1,8 @@
 // Our flash attention kernels, for K/V caches in our CPU_DKV buffer: buffer.cpp claims
 // FLASH_ATTN_EXT whose K (src[1]) lives there and that a kernel here takes.
 //
-//   flash-attn-tiled.cpp  fa-tiled  f32 products in 64 x 64 tiles, transposed scores (AVX-512)
+//   flash-attn-tiled.cpp  fa-tiled        f32 products in 64 x 64 tiles, transposed scores (AVX-512)
+//   flash-attn-bf16.cpp   fa-bf16-avx512  its two products with bf16 inputs, vdpbf16ps (GGML_PREC_BF16)
 //
 // A kernel compiled for instructions the build lacks answers nullptr.
 #pragma once
@@ -14,6 +15,9 @@
 
 #include "kernel.h"
 
+#include <cstddef>
+#include <cstdint>
+
 #if defined(__AVX512F__)
 #    include <immintrin.h>
 #endif
@@ -21,5 +25,27 @@
 namespace ggml::cpu::dkv {
 
 const op_kernel * fa_tiled_kernel();
+
+// The tiled kernel's two products with bf16 inputs and f32 sums. Operand layouts (QN query columns,
+// a multiple of 16; n_keys32: the tile's keys rounded up to 32):
+//   QT2[j][q] = (Q[q][2j], Q[q][2j+1])  bf16 pairs, DK/2 x QN words (zeros past tile_rows)
+//   Kb[k][d]                            bf16, kv_tile x DK (rows of keys no row sees: not written)
+//   P2[j][q]  = (P[2j][q], P[2j+1][q])  the softmax weights, n_keys32/2 x QN words
+//   V2[j][c]  = (V[2j][c], V[2j+1][c])  n_keys32/2 x DV words (keys no row sees: zeros)
+struct fa_bf16_products {
+    void (*pack_queries)(uint32_t * QT2, int QN, const float * const * q_rows, int tile_rows, int64_t DK);
+    void (*pack_keys)(uint16_t * Kb, const char * k_tile, size_t k_stride, uint64_t key_visible, int kv_tile, int64_t DK,
+                      bool f16);
+    // ST[k][q] = Kb[k] . Q[q] for k < n_keys
+    void (*scores)(float * ST, int QN, const uint16_t * Kb, int DK, const uint32_t * QT2, int n_keys);
+    void (*pack_weights)(uint32_t * P2, const float * ST, int QN, int kv_tile, int n_keys32);
+    void (*pack_values)(uint32_t * V2, const char * v_tile, size_t v_stride, uint64_t key_visible, int kv_tile,
+                        int n_keys32, int64_t DV, bool f16);
+    // O[q] += sum_k P[q][k] * V[k] for q < n_q (a multiple of 4)
+    void (*values)(float * O, int DV, const uint32_t * P2, int QN, const uint32_t * V2, int n_q, int n_keys32);
+};
+
+// nullptr where the build lacks AVX512-BF16 (flash-attn-bf16.cpp)
+const fa_bf16_products * fa_bf16_avx512_products();
 
 }  // namespace ggml::cpu::dkv
