@@ -34,7 +34,8 @@ say() { echo "build_ggml.sh: $*" >&2; }
 # ---------------------------------------------------------------- source
 fetch_pinned_source() {
     local dest="$VENDOR/ggml" stamp="$VENDOR/ggml/.pyggml_dkv_source"
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$SOURCE_ID" ]; then
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$SOURCE_ID" ] \
+        && { [ -z "${GGML_SDIST_LICENSE:-}" ] || [ -f "$dest/LICENSE" ]; }; then
         return
     fi
     local dl="$VENDOR/downloads" sdist="$VENDOR/downloads/$GGML_SDIST_FILE"
@@ -73,6 +74,10 @@ fetch_pinned_source() {
     local tmp
     tmp="$(mktemp -d "$VENDOR/unpack.XXXXXX")"
     tar -xzf "$sdist" -C "$tmp" "$GGML_SDIST_SUBDIR"
+    if [ -n "${GGML_SDIST_LICENSE:-}" ] && [ ! -f "$tmp/$GGML_SDIST_SUBDIR/LICENSE" ]; then
+        tar -xzf "$sdist" -C "$tmp" "$GGML_SDIST_LICENSE"
+        cp "$tmp/$GGML_SDIST_LICENSE" "$tmp/$GGML_SDIST_SUBDIR/LICENSE"
+    fi
     local p
     [ ${#PATCHES[@]} -eq 0 ] || command -v patch >/dev/null || die "patch not found (apt-get install patch)"
     for p in "${PATCHES[@]}"; do

@@ -34,12 +34,9 @@ fi
 command -v cmake >/dev/null || { say "cmake not found"; exit 1; }
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-say "downloading the llama-cpp-python $VERSION sdist"
-"$PYTHON" -m pip download --quiet --no-deps --no-binary :all: -d "$work" "llama-cpp-python==$VERSION" \
-    2> "$work/pip.log" || true
-sdist="$(ls "$work"/llama_cpp_python-"$VERSION".tar.gz 2>/dev/null || true)"
-[ -n "$sdist" ] || { tail -n 5 "$work/pip.log" >&2; say "pip could not download the sdist"; exit 1; }
-tar -xzf "$sdist" -C "$work"
+sdist="$(PYTHON="$PYTHON" bash "$(dirname "${BASH_SOURCE[0]}")/llama_cpp_sdist.sh")"
+[ "$(basename "$sdist")" = "llama_cpp_python-$VERSION.tar.gz" ] || { say "vendor/ggml.pin names $(basename "$sdist"), not $VERSION"; exit 1; }
+tar -xzf "$sdist" -C "$work" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
 say "building $TARGET (log: $work/build.log)"
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release "${OPTIONS[@]}" -DLLAMA_BUILD_TESTS=OFF \

@@ -36,6 +36,14 @@ WHEELS="$CACHE/wheels/llama-cpp-python-$VERSION-$KEY"
 
 say() { echo "install_llama_cpp.sh: $*" >&2; }
 
+# The llama-cpp-python sdist, fetched once (scripts/llama_cpp_sdist.sh: vendor/downloads/, where
+# build_ggml.sh takes our ggml from): the wheel and the converter below come from it.
+fetch_sdist() {
+    SDIST="$(PYTHON="$PYTHON" bash "$ROOT/scripts/llama_cpp_sdist.sh")" || return 1
+    [ "$(basename "$SDIST")" = "llama_cpp_python-$VERSION.tar.gz" ] \
+        || { say "vendor/ggml.pin names $(basename "$SDIST"), pyproject.toml llama-cpp-python $VERSION: make them agree"; return 1; }
+}
+
 # llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py, its conversion/ package and gguf-py),
 # from the same sdist, for tests/model/test_gguf_convert.py: the installed wheel does not ship it.
 # 2 MB of the 76 MB sdist, extracted once into the cache. Not fatal: without it that test skips.
@@ -44,8 +52,8 @@ extract_converter() {
     local tmp top
     tmp="$(mktemp -d)"
     top="llama_cpp_python-$VERSION/vendor/llama.cpp"
-    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: -d "$tmp" "llama-cpp-python==$VERSION" &&
-        tar -xzf "$tmp/llama_cpp_python-$VERSION.tar.gz" -C "$tmp" --wildcards \
+    fetch_sdist &&
+        tar -xzf "$SDIST" -C "$tmp" --wildcards \
             "$top/convert_hf_to_gguf.py" "$top/conversion/*" "$top/gguf-py/*" &&
         rm -rf "$CONVERTER" && mkdir -p "$(dirname "$CONVERTER")" && mv "$tmp/$top" "$CONVERTER"
     local status=$?
@@ -78,10 +86,10 @@ shopt -s nullglob
 wheel=("$WHEELS"/llama_cpp_python-*.whl)
 if [ ${#wheel[@]} -eq 0 ]; then
     say "building llama-cpp-python $VERSION with $FLAGS (llama.cpp from source: ~9 minutes on 2 cores)"
+    fetch_sdist
     mkdir -p "$WHEELS.tmp"
     CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_C_FLAGS=$FLAGS -DCMAKE_CXX_FLAGS=$FLAGS" \
-        "$PYTHON" -m pip wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python \
-        -w "$WHEELS.tmp" "llama-cpp-python==$VERSION"
+        "$PYTHON" -m pip wheel --quiet --no-deps --no-cache-dir -w "$WHEELS.tmp" "$SDIST"
     rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
     wheel=("$WHEELS"/llama_cpp_python-*.whl)
 fi
