@@ -35,6 +35,9 @@ static const char kernels[] = ""
 #ifdef PYGGML_DKV_HAS_FA_BF16
     ",fa-bf16"          /* ggml's CPU flash attention takes GGML_PREC_BF16 (computes it in f32) */
 #endif
+#ifdef PYGGML_DKV_HAS_AMX_TILE_CONFIG
+    ",amx-tile-config"  /* P4: ggml's AMX matmuls keep their tile config (GCC 12), batched products */
+#endif
 #ifdef PYGGML_DKV_HAS_ARGMAX_ROWS
     ",argmax-rows"      /* P8: ggml's argmax over the threads, 16 values at a time (AVX-512) */
 #endif
@@ -53,6 +56,9 @@ static const char kernels[] = ""
 #endif
 #if defined(PYGGML_DKV_HAS_MM_BF16_DPBF16) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
     ",mm-bf16-dpbf16"   /* mm-bf16-dpbf16.cpp: bf16 x <= 64 columns rounded to bf16, vdpbf16ps */
+#endif
+#if defined(PYGGML_DKV_HAS_MM_BF16_AMX) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
+    ",mm-bf16-amx"      /* mm-bf16-amx.cpp: bf16 x <= 64 columns rounded to bf16, AMX-BF16 tiles */
 #endif
 #if defined(PYGGML_DKV_HAS_MM_HALF_AVX2) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
     ",mm-half-avx2"     /* mm-half-avx2.cpp: f16 / bf16 x <= 64 f32 columns on AVX2 FMAs */
@@ -82,6 +88,9 @@ static const char kernels[] = ""
 #endif
 #if defined(PYGGML_DKV_HAS_FA_BF16_AVX512) && defined(PYGGML_DKV_HAS_FA_TILED) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
     ",fa-bf16-avx512"   /* flash-attn-bf16.cpp: the tiled kernel's products with bf16 inputs, vdpbf16ps */
+#endif
+#if defined(PYGGML_DKV_HAS_FA_BF16_AMX) && defined(PYGGML_DKV_HAS_FA_BF16_AVX512) && defined(PYGGML_DKV_HAS_FA_TILED)
+    ",fa-bf16-amx"      /* flash-attn-bf16-amx.cpp: the same products on AMX-BF16 tiles */
 #endif
     ;
 

@@ -60,17 +60,19 @@ static bool in_our_buffer(const struct ggml_tensor * t) {
 }
 
 static const op_kernel * narrow_kernel_for(const struct ggml_tensor * op) {
-    const op_kernel * order[3] = {};
+    const op_kernel * order[4] = {};
     if (op->src[0]->type == GGML_TYPE_F16) {
         order[0] = mm_f16_narrow_kernel();
     } else if (op->src[0]->type == GGML_TYPE_BF16) {
+        // AMX-BF16 tiles where usable (its takes() asks), then by the CPU's vendor
         const bool fma = bf16_products_on_fma();
-        order[0] = fma ? mm_bf16_fma_kernel() : mm_bf16_dpbf16_kernel();
-        order[1] = fma ? mm_bf16_dpbf16_kernel() : mm_bf16_fma_kernel();
+        order[0] = mm_bf16_amx_kernel();
+        order[1] = fma ? mm_bf16_fma_kernel() : mm_bf16_dpbf16_kernel();
+        order[2] = fma ? mm_bf16_dpbf16_kernel() : mm_bf16_fma_kernel();
     } else {
         return nullptr;
     }
-    order[2] = mm_half_avx2_kernel();
+    order[3] = mm_half_avx2_kernel();
     for (const op_kernel * k : order) {
         if (k != nullptr && k->takes(op)) {
             return k;

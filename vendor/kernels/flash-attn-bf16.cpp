@@ -110,7 +110,8 @@ static void scores(float * ST, int QN, const uint16_t * Kb, int DK, const uint32
 // P2[j][q] = (P[2j][q], P[2j+1][q]): vdpbf16ps needs each query's weight pair as one word, so two
 // of ST's rows interleave with no transposition (the gathers of a query-major copy took ~15% of the
 // kernel on Zen 4: old patch 0027); zeros past the tile's keys
-static void pack_weights(uint32_t * P2, const float * ST, int QN, int kv_tile, int n_keys32) {
+static void pack_weights(void * weights, const float * ST, int QN, int kv_tile, int n_keys32) {
+    uint32_t * P2 = (uint32_t *) weights;
     for (int j = 0; j < n_keys32/2; j++) {
         const float * r0 = 2*j     < kv_tile ? ST + (size_t) (2*j)*QN     : nullptr;
         const float * r1 = 2*j + 1 < kv_tile ? ST + (size_t) (2*j + 1)*QN : nullptr;
@@ -172,7 +173,8 @@ static void values_t(float * O, int DV, int c0, const uint32_t * P2, int QN, con
     }
 }
 
-static void values(float * O, int DV, const uint32_t * P2, int QN, const uint32_t * V2, int n_q, int n_keys32) {
+static void values(float * O, int DV, const void * weights, int QN, const uint32_t * V2, int n_q, int n_keys32) {
+    const uint32_t * P2 = (const uint32_t *) weights;
     for (int c0 = 0; c0 < DV; c0 += 64) {
         switch (std::min(DV - c0, 64) / 16) {
             case 1:  values_t<1>(O, DV, c0, P2, QN, V2, n_q, n_keys32); break;
@@ -183,7 +185,7 @@ static void values(float * O, int DV, const uint32_t * P2, int QN, const uint32_
     }
 }
 
-static const fa_bf16_products avx512_bf16 = {pack_queries, pack_keys, scores, pack_weights, pack_values, values};
+static const fa_bf16_products avx512_bf16 = {nullptr, nullptr, pack_queries, pack_keys, scores, pack_weights, pack_values, values};
 
 const fa_bf16_products * fa_bf16_avx512_products() {
     return &avx512_bf16;

@@ -6,9 +6,9 @@
 // 0017 (mask scans shared across heads, in the op's first phase), 0030 (the softmax pass templated
 // on the query vectors), 0035 (K/V prefetched into L2 4 tiles ahead), 0036 (products in 6-row
 // blocks). With GGML_PREC_BF16 (attention="bf16") and head sizes multiples of 32, its two products
-// take bf16 inputs (flash-attn-bf16.cpp, where the build has AVX512-BF16); elsewhere that precision
-// computes in f32, as ggml's own kernels do with patch 0007. The AMX-BF16 products of the 0.10.1
-// build (0009, 0028) are not ported.
+// take bf16 inputs: on AMX-BF16 tiles (flash-attn-bf16-amx.cpp) where the build, Linux and
+// PYGGML_DKV_NO_AMX allow, else with vdpbf16ps (flash-attn-bf16.cpp, AVX512-BF16); elsewhere that
+// precision computes in f32, as ggml's own kernels do with patch 0007.
 //
 // Why: ggml 0.25.3 tiles only from 64 query rows per head. Below, its per-row kernel rereads every
 // key for every row and accumulates V in f16 (a draft block's 16-64 rows: off by 6e-4 to 4e-3 from
@@ -306,9 +306,18 @@ static void fa_tiled_rows(const struct ggml_compute_params * params, struct ggml
     const int64_t DK = nek0;
     const int64_t DV = nev0;
     const bool kv_f16 = k->type == GGML_TYPE_F16;
-    // bf16 products: the operands are packed in the same scratch (each fits the f32 operand's space)
-    const fa_bf16_products * bf16 =
-        ggml_get_op_params_i32(dst, 3) == GGML_PREC_BF16 && DK % 32 == 0 ? fa_bf16_avx512_products() : nullptr;
+    // bf16 products, on AMX-BF16 tiles where usable, else vdpbf16ps: the operands are packed in the
+    // same scratch (each fits the f32 operand's space)
+    const fa_bf16_products * bf16 = nullptr;
+    if (ggml_get_op_params_i32(dst, 3) == GGML_PREC_BF16 && DK % 32 == 0) {
+        bf16 = fa_bf16_amx_products();
+        if (bf16 == nullptr) {
+            bf16 = fa_bf16_avx512_products();
+        }
+    }
+    if (bf16 != nullptr && bf16->begin != nullptr) {
+        bf16->begin();
+    }
 
     const int64_t rk2 = neq2/nek2, rk3 = neq3/nek3;
     const int64_t rv2 = neq2/nev2, rv3 = neq3/nev3;
@@ -465,9 +474,9 @@ static void fa_tiled_rows(const struct ggml_compute_params * params, struct ggml
                 // keys in whole 32-key steps: weights and V rows past the tile's keys are zeros; the
                 // weights' pairs go where the mask rows were (read by the softmax pass, free now)
                 const int n_keys32 = (kv_tile + 31) / 32 * 32;
-                bf16->pack_weights((uint32_t *) mask32, ST, QN, kv_tile, n_keys32);
+                bf16->pack_weights(mask32, ST, QN, kv_tile, n_keys32);
                 bf16->pack_values((uint32_t *) V32, v_tile, nbv1, key_visible, kv_tile, n_keys32, DV, kv_f16);
-                bf16->values(O, (int) DV, (const uint32_t *) mask32, QN, (const uint32_t *) V32, QN, n_keys32);
+                bf16->values(O, (int) DV, mask32, QN, (const uint32_t *) V32, QN, n_keys32);
                 continue;
             }
 
@@ -507,6 +516,9 @@ static void fa_tiled_rows(const struct ggml_compute_params * params, struct ggml
         }
 
         ir += tile_rows;
+    }
+    if (bf16 != nullptr && bf16->end != nullptr) {
+        bf16->end();
     }
 }
 

@@ -9,6 +9,7 @@
 //   mm-bf16-fma.cpp     mm-bf16-fma     bf16 on AVX-512 FMAs           (0041)
 //   mm-bf16-dpbf16.cpp  mm-bf16-dpbf16  bf16 with vdpbf16ps            (0019, 0026)
 //   mm-half-avx2.cpp    mm-half-avx2    f16 / bf16 on AVX2 FMAs        (0042)
+//   mm-bf16-amx.cpp     mm-bf16-amx     bf16 on AMX-BF16 tiles         (0029, 0043)
 //
 // A kernel compiled for an ISA the build lacks answers nullptr; the capability names what the
 // build carries, capabilities.py combines it with the CPU's features as before.
@@ -43,6 +44,7 @@ const op_kernel * mm_f16_narrow_kernel();
 const op_kernel * mm_bf16_fma_kernel();
 const op_kernel * mm_bf16_dpbf16_kernel();
 const op_kernel * mm_half_avx2_kernel();
+const op_kernel * mm_bf16_amx_kernel();
 
 // bf16 on FMAs rather than with vdpbf16ps (buffer.cpp: the rule by CPU vendor)
 bool bf16_products_on_fma();
