@@ -98,8 +98,8 @@ def test_our_amx_kernels_run_on_tiles(compiler, tmp_path, name):
 
 
 def test_ggml_amx_matmuls_compile_with_our_fix(compiler, tmp_path):
-    """ggml's AMX matmuls with patch 0008: the tile configuration is written whole before
-    ldtilecfg (the barrier GCC 12 needs) and loaded at every product."""
+    """ggml's AMX matmuls with our fix (capability amx-tile-config): the tile configuration is
+    written whole before ldtilecfg (the barrier GCC 12 needs) and loaded at every product."""
     source = SRC / "ggml-cpu" / "amx" / "mmq.cpp"
     text = source.read_text()
     assert "static thread_local bool done" not in text and "ggml_batch_offset_src0" in text
