@@ -38,38 +38,9 @@ fetch_pinned_source() {
         && { [ -z "${GGML_SDIST_LICENSE:-}" ] || [ -f "$dest/LICENSE" ]; }; then
         return
     fi
-    local dl="$VENDOR/downloads" sdist="$VENDOR/downloads/$GGML_SDIST_FILE"
-    mkdir -p "$dl"
-    # a copy downloaded elsewhere (the pin's GGML_SDIST_SEARCH_DIRS): taken as is, checked below
-    local dir
-    for dir in ${GGML_SDIST_SEARCH_DIRS:-}; do
-        if [ ! -f "$sdist" ] && [ -f "$dir/$GGML_SDIST_FILE" ]; then
-            say "using $dir/$GGML_SDIST_FILE"
-            cp "$dir/$GGML_SDIST_FILE" "$sdist.part" && mv "$sdist.part" "$sdist"
-        fi
-    done
-    if [ ! -f "$sdist" ]; then
-        [ "${GGML_OFFLINE:-0}" = 1 ] && die "GGML_OFFLINE=1 but $sdist is missing; copy it there or unset GGML_OFFLINE"
-        say "downloading $GGML_PYPI_REQUIREMENT (source distribution) with pip"
-        if ! "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: \
-                --no-build-isolation -d "$dl" "$GGML_PYPI_REQUIREMENT" 2>"$dl/pip.log" \
-            && ! "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: \
-                -d "$dl" "$GGML_PYPI_REQUIREMENT" 2>>"$dl/pip.log"; then
-            if [ -f "$sdist" ]; then
-                say "pip could not prepare the sdist's metadata, but the file arrived; continuing"
-            else
-                tail -n 5 "$dl/pip.log" >&2 || true
-                die "pip could not download $GGML_PYPI_REQUIREMENT (no network or no PyPI?). Full log: $dl/pip.log"
-            fi
-        fi
-        [ -f "$sdist" ] || die "pip ran but $sdist did not appear (see $dl/pip.log)"
-    fi
-    local got
-    got="$(sha256sum "$sdist" | cut -d' ' -f1)"
-    if [ "$got" != "$GGML_SDIST_SHA256" ]; then
-        mv -f "$sdist" "$sdist.rejected"
-        die "sha256 mismatch for $GGML_SDIST_FILE: expected $GGML_SDIST_SHA256, got $got (moved aside to $sdist.rejected)"
-    fi
+    # the pinned sdist, fetched once for everything that needs llama.cpp's sources (scripts/pinned_sdist.sh)
+    local sdist
+    sdist="$(PYTHON="$PYTHON" bash "$ROOT/scripts/pinned_sdist.sh")" || die "could not get the pinned sdist (above)"
     say "unpacking ggml $GGML_VERSION into vendor/ggml"
     local tmp
     tmp="$(mktemp -d "$VENDOR/unpack.XXXXXX")"

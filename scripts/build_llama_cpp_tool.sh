@@ -34,7 +34,7 @@ fi
 command -v cmake >/dev/null || { say "cmake not found"; exit 1; }
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-sdist="$(PYTHON="$PYTHON" bash "$(dirname "${BASH_SOURCE[0]}")/llama_cpp_sdist.sh")"
+sdist="$(PYTHON="$PYTHON" bash "$(dirname "${BASH_SOURCE[0]}")/pinned_sdist.sh")"
 [ "$(basename "$sdist")" = "llama_cpp_python-$VERSION.tar.gz" ] || { say "vendor/ggml.pin names $(basename "$sdist"), not $VERSION"; exit 1; }
 tar -xzf "$sdist" -C "$work" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"

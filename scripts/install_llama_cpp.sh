@@ -36,10 +36,10 @@ WHEELS="$CACHE/wheels/llama-cpp-python-$VERSION-$KEY"
 
 say() { echo "install_llama_cpp.sh: $*" >&2; }
 
-# The llama-cpp-python sdist, fetched once (scripts/llama_cpp_sdist.sh: vendor/downloads/, where
+# The llama-cpp-python sdist, fetched once (scripts/pinned_sdist.sh: vendor/downloads/, where
 # build_ggml.sh takes our ggml from): the wheel and the converter below come from it.
 fetch_sdist() {
-    SDIST="$(PYTHON="$PYTHON" bash "$ROOT/scripts/llama_cpp_sdist.sh")" || return 1
+    SDIST="$(PYTHON="$PYTHON" bash "$ROOT/scripts/pinned_sdist.sh")" || return 1
     [ "$(basename "$SDIST")" = "llama_cpp_python-$VERSION.tar.gz" ] \
         || { say "vendor/ggml.pin names $(basename "$SDIST"), pyproject.toml llama-cpp-python $VERSION: make them agree"; return 1; }
 }
