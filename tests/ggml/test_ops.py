@@ -399,7 +399,7 @@ needs_bf16_attention = pytest.mark.skipif(
 @pytest.mark.parametrize("d,n_q,n_kv", [(64, 70, 267), (64, 9, 267), (128, 20, 150), (64, 64, 4128)])
 def test_flash_attn_ext_bf16_products(rng, cpu_runs_bf16_attention, n_threads, d, n_q, n_kv):
     """prec_bf16 over K/V in our CPU_DKV buffer (the drafter's caches): where the build and CPU have
-    our bf16 products (vdpbf16ps, bf16_attention_kernel) both products take bf16 inputs with f32 sums,
+    our bf16 products (AMX-BF16 tiles or vdpbf16ps: bf16_attention_kernel) both take bf16 inputs with f32 sums,
     so the result is within bf16 rounding of the reference (and not the f32 result); the masking
     rules stay exact: keys no row may see hold NaN and must not reach the output, a row that sees
     one key returns that key's value (to bf16 precision)."""
