@@ -43,4 +43,4 @@ def bf16_product(out_path: str) -> None:
 
     w, x = bf16_operands()
     with Backend("cpu", n_threads=2) as cpu:
-        np.save(out_path, compute(cpu, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b)))
+        np.save(out_path, compute(cpu, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b), dkv=(0,)))

@@ -323,7 +323,7 @@ def test_bf16_products_run_on_amx_tiles(cpu, tmp_path):
     from tests.ggml.helpers import compute
 
     w, x = bf16_operands()
-    amx = compute(cpu, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b))
+    amx = compute(cpu, [("bf16", w), ("f32", x)], lambda g, a, b: g.mul_mat(a, b), dkv=(0,))
     proc = run_in_child(
         "tests.ggml.amx_child:bf16_product",
         str(tmp_path / "vdpbf16ps.npy"),
