@@ -4,13 +4,16 @@ all rounds of each side, and new / old.
 
     python benchmarks/ab_builds.py --old ../main --new . --rounds 4
     python benchmarks/ab_builds.py --old ../main --new . --bench llama_cpp --dtypes f16,q8_0
+    python benchmarks/ab_builds.py --old ../main --new . --bench bulk --windows 512,2048 --dtypes q8_0,f16
 
 `--old` / `--new`: checkouts, each with its own `.venv` (its ggml built and installed). The step
 benchmark is `bench_step.py --configs small` (the kv systems; no PyTorch); the llama.cpp one is
 `bench_llama_cpp.py` (ours and llama.cpp's drafter, which is the same on both sides: its ratio
 moving says the machine moved). Each checkout runs its own copy of the script. The step benchmark
 runs with OpenMP's default wait policy (as in a llama.cpp host), not bench_step.py's own default
-(PASSIVE). `--verbose` prints each process's median: the first processes of a run are often slower.
+(PASSIVE). The bulk one is `bench_bulk_append.py` (an empty cache brought up to N rows; `--windows`
+gives the row counts); a checkout older than that script gets a copy of this one's. `--verbose`
+prints each process's median: the first processes of a run are often slower.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +50,24 @@ def run_side(root: Path, bench: str, args: argparse.Namespace, out: Path) -> Non
             str(args.threads),
             "--omp-wait-policy",
             "default",
+            "--json",
+            str(out),
+        ]
+    elif bench == "bulk":
+        script = root / "benchmarks/bench_bulk_append.py"
+        if not script.exists():  # an older checkout: the same script, its own build
+            shutil.copy(Path(__file__).with_name(script.name), script)
+        cmd = [
+            str(python),
+            "benchmarks/bench_bulk_append.py",
+            "--dtypes",
+            args.dtypes,
+            "--rows",
+            args.windows,
+            "--reps",
+            str(args.reps),
+            "--threads",
+            str(args.threads),
             "--json",
             str(out),
         ]
@@ -78,6 +100,10 @@ def medians(bench: str, path: Path) -> dict[tuple[str, int], float]:
             for w in result["windows"]:
                 for name, s in w["systems"].items():
                     out[(name, int(w["window"]))] = s["median_ms"]
+    elif bench == "bulk":
+        for dtype, by_rows in data["median_ms"].items():
+            for rows, ms in by_rows.items():
+                out[(f"{dtype} bulk append", int(rows))] = ms
     else:
         for dtype, systems in data["runs"].items():
             for name, by_w in systems.items():
@@ -91,9 +117,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--old", type=Path, required=True, help="checkout of the reference build")
     ap.add_argument("--new", type=Path, required=True, help="checkout of the build under test")
-    ap.add_argument("--bench", choices=("step", "llama_cpp"), default="step")
-    ap.add_argument("--windows", default="64,1024,4096")
-    ap.add_argument("--dtypes", default="f16,q8_0", help="(llama_cpp) GGUF weight types")
+    ap.add_argument("--bench", choices=("step", "llama_cpp", "bulk"), default="step")
+    ap.add_argument("--windows", default="64,1024,4096", help="windows (bulk: rows appended)")
+    ap.add_argument("--dtypes", default="f16,q8_0", help="(llama_cpp) GGUF weight types, (bulk) weight types")
     ap.add_argument("--reps", type=int, default=10, help="timed steps per system and window in one process")
     ap.add_argument("--rounds", type=int, default=4, help="processes per side, alternating")
     ap.add_argument("--threads", type=int, default=2)
