@@ -48,8 +48,24 @@ int pyggml_dkv_load_ggml_matmul_tiles(void) {
     __asm__ __volatile__("ldtilecfg %0" : : "m"(*(const uint8_t (*)[64]) cfg) : "memory");
     return 1;
 }
+
+int pyggml_dkv_amx_tile_data_in_use(void) {
+    if (!amx_permitted()) {
+        return 0;
+    }
+    /* XGETBV with ECX = 1 reads XINUSE: bit 18 (XTILEDATA) is set from a thread's first tile load
+       or product until it releases the tiles (every AMX CPU supports this form) */
+    uint32_t eax, edx;
+    __asm__ __volatile__("xgetbv" : "=a"(eax), "=d"(edx) : "c"(1));
+    (void) edx;
+    return (int) ((eax >> 18) & 1);
+}
 #else
 int pyggml_dkv_load_ggml_matmul_tiles(void) {
+    return 0;
+}
+
+int pyggml_dkv_amx_tile_data_in_use(void) {
     return 0;
 }
 #endif

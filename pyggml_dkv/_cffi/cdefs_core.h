@@ -286,6 +286,9 @@ void pyggml_dkv_dynamic_conv(struct ggml_tensor * dst, int ith, int nth, void * 
 
 /* amx_tiles.c: ggml's AMX matmul tile configuration on the calling thread (1 loaded, 0 no AMX) */
 int pyggml_dkv_load_ggml_matmul_tiles(void);
+/* amx_tiles.c: 1 when the calling thread has used AMX tile data (a tile instruction ran on it and
+   the tiles were not released since), 0 otherwise or without AMX: for tests of which kernel ran */
+int pyggml_dkv_amx_tile_data_in_use(void);
 
 /* Python-side callbacks */
 extern "Python" void _pyggml_log_callback(enum ggml_log_level level, const char * text, void * user_data);

@@ -16,6 +16,9 @@ void pyggml_dkv_dynamic_conv(struct ggml_tensor * dst, int ith, int nth, void * 
 /* amx_tiles.c: ggml's AMX matmul tile configuration on the calling thread; 1 if loaded, 0 where the
    CPU or kernel offers no AMX tiles */
 int pyggml_dkv_load_ggml_matmul_tiles(void);
+/* amx_tiles.c: 1 when the calling thread has used AMX tile data (a tile instruction ran on it and
+   the tiles were not released since), 0 otherwise or without AMX: for tests of which kernel ran */
+int pyggml_dkv_amx_tile_data_in_use(void);
 
 /* kernels.c: what of ours this build carries (comma list of names, "" for none), the raw list
    build_ggml.sh recorded (for a test that kernels.c knows every name), and the build stamp */

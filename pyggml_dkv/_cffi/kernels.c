@@ -70,6 +70,9 @@ static const char kernels[] = ""
 #if defined(PYGGML_DKV_HAS_VNNI_Q8_0) && defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER)
     ",vnni-q8_0"        /* mm-vnni-q8_0.cpp: q8_0 in 16-row groups, vpdpbusd (AVX512-VNNI) */
 #endif
+#if defined(PYGGML_DKV_HAS_MM_AMX_Q8_0) && defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER)
+    ",mm-amx-q8_0"      /* mm-amx-q8_0.cpp: wide q8_0 products of the VNNI layout on AMX-INT8 tiles */
+#endif
 #if defined(PYGGML_DKV_HAS_VNNI_Q4_0) && defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER)
     ",vnni-q4_0"        /* mm-vnni-q4_0.cpp: q4_0 in 16-row groups, vpdpbusd (AVX512-VNNI) */
 #endif

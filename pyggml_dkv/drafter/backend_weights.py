@@ -25,6 +25,7 @@ from ..ggml.capabilities import (
     cpu_extra_buffer_types,
     cpu_repack_buffer,
     dkv_buffer_available,
+    q8_0_wide_on_our_amx,
     vnni_available,
     vnni_repack_fits,
 )
@@ -69,10 +70,11 @@ VNNI_OVER_AMX = ("q4_0",)
 # ... and those for which it is the faster one only at a step's few columns: q8_0. A whole step's
 # products (the small drafter's 36 matrices at 16 / 9 columns and a 49152-row head, interleaved in
 # one process on Emerald Rapids, 2 threads) took 0.86-0.92 of their time on AMX tiles, but a bulk
-# append of 2048 prompt rows (1024-row products) 1.48x (1.5-1.6x on the model-167 Xeon). So a step
-# multiplies every q8_0 matrix on VNNI (`bulk=False`), and the matrices a bulk append multiplies
-# too (the fold-in's: fc, k_proj, v_proj) get a second copy on AMX tiles for it (BackendWeights.bulk):
-# with the fold-in's on AMX in the steps as well, a step took 1.01-1.02x the time (model-167 Xeon).
+# append of 2048 prompt rows (1024-row products) 1.48x (1.5-1.6x on the model-167 Xeon). Where our
+# VNNI layout runs its own wide products on AMX tiles (capabilities.q8_0_wide_on_our_amx: this
+# build on AMX Xeons), every q8_0 matrix goes to that layout alone. Otherwise a step multiplies
+# every q8_0 matrix on VNNI (`bulk=False`), and the matrices a bulk append multiplies too (the
+# fold-in's: fc, k_proj, v_proj) get a second copy in ggml's AMX buffer for it (BackendWeights.bulk).
 VNNI_OVER_AMX_NARROW = ("q8_0",)
 
 
@@ -80,9 +82,11 @@ def amx_eligible(backend: Backend, dtype: str, out_features: int, in_features: i
     """Does an (out, in) `dtype` matrix on `backend` go to ggml's AMX kernels (q8_0, and q4_0 where our
     VNNI layout does not take it, on AMX Xeons)? `bulk`: the matrix is also multiplied by many rows at
     once (a prompt's bulk append); False for one only a step's few rows ever meet (q8_0 then goes to
-    VNNI where its layout takes the matrix)."""
+    VNNI where its layout takes the matrix, as it does either way where that layout runs its wide
+    products on AMX tiles itself: capabilities.q8_0_wide_on_our_amx)."""
     ne = (in_features, out_features)
-    vnni_first = VNNI_OVER_AMX + (() if bulk else VNNI_OVER_AMX_NARROW)
+    wide_on_vnni_layout = not bulk or q8_0_wide_on_our_amx()
+    vnni_first = VNNI_OVER_AMX + (VNNI_OVER_AMX_NARROW if wide_on_vnni_layout else ())
     if dtype.lower() in vnni_first and vnni_repack_fits(dtype, ne):
         return False
     return backend.is_cpu and amx_fits(dtype, ne) and amx_available()
@@ -124,10 +128,12 @@ class BackendWeights:
 
     `dtype="auto"` (default) picks by the backend and CPU: `default_weight_dtype`.
 
-    With `repack` (default) and q8_0 weights on a CPU with AMX, the matrices go to ggml's AMX
-    buffer, which lays them out for its int8 tile kernels as they are uploaded; on a CPU without
-    AMX but with AVX512-VNNI, to our CPU_DKV_REPACK buffer for the VNNI kernel of old patch 0010
-    (both much faster than the generic q8_0 path: benchmarks/README.md). With `dtype="native"`, a
+    With `repack` (default) and q8_0 weights on a CPU with AVX512-VNNI, the matrices go to our
+    CPU_DKV_REPACK buffer, laid out for our VNNI kernel (old patch 0010) as they are uploaded; on
+    AMX Xeons the same layout's products of 64 rows or more run on AMX tiles (a prompt's bulk
+    append). A build without that AMX kernel gives the fold-in's matrices a second copy in ggml's
+    AMX buffer for those (`bulk`). Both are much faster than ggml's generic q8_0 path
+    (benchmarks/README.md). With `dtype="native"`, a
     file's q4_0 / q4_K / q5_K / q6_K matrices go there too, for our VNNI kernels of those types
     (old patches 0020-0022), or for ggml's interleaved AVX2 kernels (q4_0 / q4_K shapes ours do not
     take, CPUs without VNNI) as llama.cpp runs them (`capabilities.cpu_repack_kernel` says which).
@@ -163,7 +169,8 @@ class BackendWeights:
         # each into the repacking buffer its type and shape go to for a step's few rows (a file may mix
         # types: q4_K matrices in CPU_DKV_REPACK beside q8_0 ones in AMX); the others stay in the ordinary
         # buffer. The fold-in's matrices, which a bulk append multiplies by hundreds of rows, get a
-        # second copy where the kernel for those differs (q8_0 on AMX CPUs: `bulk`)
+        # second copy where the kernel for those differs (q8_0 on AMX CPUs without our AMX q8_0
+        # kernel: amx_eligible)
         types = {n: self._matrix_type(weights, n, dtype) for n, a in weights.items() if a.ndim == 2 and not is_norm(n)}
         # tables the graph reads rows of (DFlash-2's codebooks) are never repacked (get_rows reads plain rows)
         types.update({n: self._table_type(weights, n, dtype) for n in weights if is_selector_codebook(n)})

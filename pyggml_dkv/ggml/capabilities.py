@@ -395,6 +395,18 @@ def vnni_available() -> bool:
     )
 
 
+# Wide q8_0 products (from 64 rows: a bulk append's, the one-shot graph's context rows) of the
+# VNNI layout on AMX-INT8 tiles (vendor/kernels/mm-amx-q8_0.cpp): one repacked copy of a matrix
+# serves a step's few rows on VNNI and a prompt's hundreds on AMX, with the same bits.
+Q8_0_AMX_KERNEL = "mm-amx-q8_0"
+
+
+def q8_0_wide_on_our_amx() -> bool:
+    """True when our q8_0 VNNI layout multiplies its wide products on AMX tiles here (the kernel
+    built, the VNNI kernel available, AMX usable and not vetoed by PYGGML_DKV_NO_AMX)."""
+    return vnni_available() and Q8_0_AMX_KERNEL in built_capabilities() and amx_available()
+
+
 # ggml's own kernels in the CPU_REPACK buffer on x86 (src/ggml-cpu/repack.cpp,
 # ggml_repack_get_optimal_repack_type): 4-bit weights interleaved 8 output rows at a time, multiplied
 # with the activations quantized to q8_0 / q8_K (AVX2, AVX-512 where built for it). llama.cpp puts
@@ -522,3 +534,11 @@ def load_ggml_matmul_tiles() -> bool:
     matmuls, releases them; llama.cpp's next batched decode then died of SIGILL). Our own ggml
     needs no call: it reloads its tiles before each use."""
     return bool(lib.pyggml_dkv_load_ggml_matmul_tiles())
+
+
+def amx_tile_data_in_use() -> bool:
+    """Has the calling thread run AMX tile instructions (and not released the tiles since)? False
+    where the CPU or kernel offers no AMX tiles. For tests that a product really ran on tiles where
+    its bits cannot tell (the q8_0 VNNI layout's AMX products give the VNNI ones' bits): ggml's CPU
+    backend computes on the calling thread with one thread."""
+    return bool(lib.pyggml_dkv_amx_tile_data_in_use())

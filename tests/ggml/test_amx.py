@@ -26,7 +26,7 @@ from pyggml_dkv.ggml import (
     cpu_extra_buffer_types,
     vnni_available,
 )
-from pyggml_dkv.ggml.capabilities import dkv_buffer_available
+from pyggml_dkv.ggml.capabilities import dkv_buffer_available, q8_0_wide_on_our_amx
 from tests.child import run_in_child
 from tests.ggml.helpers import mul_mat_rows
 
@@ -36,6 +36,9 @@ needs_amx = pytest.mark.skipif(
 needs_amx_bf16 = pytest.mark.skipif(
     bf16_matmul_kernel() != "amx",
     reason="bf16 products run on AMX-BF16 tiles only where the CPU has them (old patch 0029)",
+)
+needs_q8_0_amx = pytest.mark.skipif(
+    not q8_0_wide_on_our_amx(), reason="our q8_0 layout runs no products on AMX tiles here (mm-amx-q8_0)"
 )
 
 CFG = DraftConfig(
@@ -72,12 +75,18 @@ def test_no_amx_environment_switch(cpu, monkeypatch):
 
 @needs_amx
 def test_q8_0_matrices_go_to_the_repacking_buffers(cpu):
-    """All repacked: the fold-in's to AMX, the others to VNNI where it is built (the test below)."""
+    """All repacked: into our VNNI layout, whose wide products run on AMX tiles (mm-amx-q8_0); in a
+    build without that kernel the fold-in's to ggml's AMX buffer too, the others to VNNI where it is
+    built (the tests below)."""
     w = _weights()
     with w.to_backend(cpu, "q8_0") as bw:
         matrices = [n for n, a in w.items() if a.ndim == 2]
         assert bw.n_repacked == len(matrices) > 0
-        assert {b.name for b in bw.buffers} == {"CPU", "AMX"} | ({"CPU_DKV_REPACK"} if vnni_available() else set())
+        if q8_0_wide_on_our_amx():
+            want = {"CPU", "CPU_DKV_REPACK"}
+        else:
+            want = {"CPU", "AMX"} | ({"CPU_DKV_REPACK"} if vnni_available() else set())
+        assert {b.name for b in bw.buffers} == want
         assert all(bw[n].is_repacked for n in matrices)
         assert not any(bw[n].is_repacked for n, a in w.items() if a.ndim == 1)  # norms stay readable
         norm = next(n for n, a in w.items() if a.ndim == 1)
@@ -243,9 +252,10 @@ def test_extra_buffer_types_are_listed_by_name():
 
 @needs_amx
 def test_amx_survives_another_amx_user_on_the_same_thread():
-    """oneDNN (PyTorch bf16 matmuls) releases the AMX tiles on the thread it ran on; ggml must
-    configure them again for its next product instead of dying with SIGILL (old patch 0002),
-    and so must attention on AMX-BF16 tiles (attention="bf16", old patch 0009)."""
+    """oneDNN (PyTorch bf16 matmuls) releases the AMX tiles on the thread it ran on; ggml's AMX
+    matmuls must configure them again for their next product instead of dying with SIGILL (patch
+    0008, old 0002), and so must our kernels on tiles: bf16 products and attention on AMX-BF16
+    (attention="bf16"), q8_0 products of 64 rows or more on AMX-INT8 (mm-amx-q8_0)."""
     pytest.importorskip("torch")
     proc = run_in_child("tests.ggml.amx_child:amx_next_to_torch")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.returncode, proc.stderr[-2000:])
@@ -336,19 +346,15 @@ def test_bf16_products_run_on_amx_tiles(cpu, tmp_path):
     assert not np.array_equal(amx, vdp)
 
 
-@needs_amx
-def test_q8_0_steps_on_vnni_bulk_appends_on_amx(cpu):
-    """q8_0 on an AMX CPU (backend_weights.VNNI_OVER_AMX_NARROW): a step multiplies every matrix (and
-    an lm_head) on our VNNI kernel (0010), faster at a step's few rows; the matrices a bulk append
-    multiplies too (fc, k_proj, v_proj) have a second copy on AMX tiles, faster at hundreds of rows,
-    which the bulk append's graphs and the one-shot graph's context rows read. The cache's results stay
-    those of q8_0 arithmetic."""
-    from pyggml_dkv.drafter import bulk_append as bulk_module
+@needs_q8_0_amx
+def test_q8_0_one_copy_steps_on_vnni_bulk_appends_on_amx(cpu):
+    """q8_0 on an AMX CPU: every matrix (and an lm_head) in CPU_DKV_REPACK, one copy, no second one in
+    ggml's AMX buffer; a step's few rows multiply on our VNNI kernel (0010), faster there, and a bulk
+    append's and the one-shot graph's context rows (64 or more) on AMX tiles over the same layout
+    (mm-amx-q8_0.cpp). The cache's results stay those of q8_0 arithmetic."""
     from pyggml_dkv.drafter.backend_weights import repack_buffer
 
-    if not vnni_available():
-        pytest.skip("no VNNI kernels in this build")
-    assert repack_buffer(cpu, "q8_0", 1024, 1024) == "AMX"
+    assert repack_buffer(cpu, "q8_0", 1024, 1024) == "CPU_DKV_REPACK"
     assert repack_buffer(cpu, "q8_0", 1024, 1024, bulk=False) == "CPU_DKV_REPACK"
     cfg = DraftConfig(
         hidden=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32, ffn=256, block_size=8, n_target_layers=2
@@ -358,59 +364,77 @@ def test_q8_0_steps_on_vnni_bulk_appends_on_amx(cpu):
     head = rng.standard_normal((512, cfg.hidden)).astype(np.float32) / 8
     with host.to_backend(cpu, "q8_0") as bw:
         matrices = {name for name, t in bw.tensors.items() if t.ne[1] > 1}
-        fold_in = {n for n in matrices if n == "fc.weight" or n.endswith(("k_proj.weight", "v_proj.weight"))}
-        assert len(fold_in) == 1 + 2 * cfg.n_layer
         assert {bw.tensors[n].buffer_name for n in matrices} == {"CPU_DKV_REPACK"}
-        assert set(bw.bulk_tensors) == fold_in and {t.buffer_name for t in bw.bulk_tensors.values()} == {"AMX"}
-        assert (
-            bw.bulk["fc.weight"] is bw.bulk_tensors["fc.weight"]
-            and bw.bulk["layers.0.mlp.up_proj.weight"] is bw["layers.0.mlp.up_proj.weight"]
-        )
-        assert bw.repack_kinds == ("AMX", "CPU_DKV_REPACK")
+        assert bw.bulk_tensors == {} and bw.bulk is bw and bw.repack_kinds == ("CPU_DKV_REPACK",)
         t, buf = upload_matrix(cpu, head, "q8_0", "lm_head", matmul_only=True)
-        read_by_bulk = []
-        real_append_rows = bulk_module.L.append_rows
-
-        def spy(g, w, *args):  # noqa: ANN001, ANN202
-            read_by_bulk.append(w["fc.weight"].buffer_name)
-            return real_append_rows(g, w, *args)
-
         try:
             assert t.buffer_name == "CPU_DKV_REPACK"
-            ring = FeatureRing(64, cfg.fc_in)
-            ring.append(rng.standard_normal((60, cfg.fc_in)).astype(np.float32))
+            ring = FeatureRing(128, cfg.fc_in)
+            ring.append(rng.standard_normal((100, cfg.fc_in)).astype(np.float32))
             noise = rng.standard_normal((cfg.block_size, cfg.hidden)).astype(np.float32)
-            bulk_module.L.append_rows = spy
-            with DraftKvCache(bw, cpu, 32, lm_head=t) as cache:
-                assert set(read_by_bulk) == {"CPU_DKV_REPACK"}  # the step graphs' fold-ins, built at init
-                read_by_bulk.clear()
-                got = cache.step(ring, 60, noise)  # 60 rows: a bulk append (AMX) and a step (VNNI)
-            assert read_by_bulk == ["AMX"]
-            with OneShotDrafter(bw, cpu, 32, lm_head=t) as oneshot:
-                got_oneshot = oneshot.step(ring, 60, noise)
-            with host.to_backend(cpu, "q8_0", repack=False) as plain, DraftKvCache(plain, cpu, 32, lm_head=head) as ref:
-                want = ref.step(ring, 60, noise)  # ggml's generic q8_0 x q8_0 products
+            with DraftKvCache(bw, cpu, 128, lm_head=t) as cache:
+                got = cache.step(ring, 100, noise)  # 100 rows: a bulk append (AMX) and a step (VNNI)
+            with OneShotDrafter(bw, cpu, 128, lm_head=t) as oneshot:
+                got_oneshot = oneshot.step(ring, 100, noise)
+            with (
+                host.to_backend(cpu, "q8_0", repack=False) as plain,
+                DraftKvCache(plain, cpu, 128, lm_head=head) as ref,
+            ):
+                want = ref.step(ring, 100, noise)  # ggml's generic q8_0 x q8_0 products
             assert np.abs(got - want).max() < 3e-2 * np.abs(want).max()
             assert np.abs(got_oneshot - want).max() < 3e-2 * np.abs(want).max()
         finally:
-            bulk_module.L.append_rows = real_append_rows
             buf.close()
             t.ctx.close()
 
 
+@needs_q8_0_amx
+def test_q8_0_wide_products_run_on_amx_tiles_with_the_vnni_bits(tmp_path):
+    """Our q8_0 layout's products of 64 rows or more run on AMX tiles (the thread has used tile data
+    after the 64-row product, not after the 63-row one), and give the bits of the VNNI kernel (a
+    PYGGML_DKV_NO_AMX=1 child): the same exact int32 sums per block, scaled and summed in the same
+    order. Both within f32 rounding of the exact q8_0 arithmetic."""
+    import json
+    import os
+
+    from tests.ggml.amx_child import Q8_0_ROWS, q8_0_operands
+    from tests.ggml.test_vnni import _exact
+
+    results = {}
+    for name, env in (("amx", {}), ("vnni", {"PYGGML_DKV_NO_AMX": "1"})):
+        out = str(tmp_path / f"{name}.npz")
+        proc = run_in_child("tests.ggml.amx_child:q8_0_wide_products", out, env={**os.environ, **env})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(out + ".json") as f:
+            results[name] = (dict(np.load(out)), json.load(f))
+    assert results["amx"][1] == [False, False, True]
+    assert results["vnni"][1] == [False, False, False]
+    w, xs = q8_0_operands()
+    for rows, x in zip(Q8_0_ROWS, xs):
+        amx, vnni = results["amx"][0][str(rows)], results["vnni"][0][str(rows)]
+        np.testing.assert_array_equal(amx, vnni)
+        assert relative_error(amx, _exact(w, x)) < 1e-6, rows
+
+
 def test_amx_placement_rule_on_any_cpu(cpu, monkeypatch):
     """The rule itself, on any machine (AMX and the VNNI layouts simulated as present): q8_0 goes to
-    AMX unless only a step multiplies it (bulk=False) and the VNNI layout takes it; q4_0 never;
-    f16 has no AMX kernel; without AMX nothing goes there."""
+    ggml's AMX buffer unless only a step multiplies it (bulk=False) and the VNNI layout takes it, or
+    that layout runs its wide products on AMX tiles itself (then never, where it takes the matrix);
+    q4_0 never; f16 has no AMX kernel; without AMX nothing goes there."""
     import pyggml_dkv.drafter.backend_weights as BW
 
     monkeypatch.setattr(BW, "amx_available", lambda: True)
+    monkeypatch.setattr(BW, "q8_0_wide_on_our_amx", lambda: False)
     monkeypatch.setattr(BW, "amx_fits", lambda dtype, ne: dtype in ("q8_0", "q4_0"))
     monkeypatch.setattr(BW, "vnni_repack_fits", lambda dtype, ne: dtype in ("q8_0", "q4_0") and ne[1] % 16 == 0)
     assert BW.amx_eligible(cpu, "q8_0", 1024, 1024) and BW.amx_eligible(cpu, "q8_0", 1024, 1024, bulk=True)
     assert not BW.amx_eligible(cpu, "q8_0", 1024, 1024, bulk=False)
     assert BW.amx_eligible(cpu, "q8_0", 1000, 1024, bulk=False)  # rows the VNNI layout cannot group
     assert not BW.amx_eligible(cpu, "q4_0", 1024, 1024) and not BW.amx_eligible(cpu, "f16", 1024, 1024)
+    # our VNNI layout runs its wide products on AMX tiles itself: q8_0 goes there for both
+    monkeypatch.setattr(BW, "q8_0_wide_on_our_amx", lambda: True)
+    assert not BW.amx_eligible(cpu, "q8_0", 1024, 1024) and not BW.amx_eligible(cpu, "q8_0", 1024, 1024, bulk=False)
+    assert BW.amx_eligible(cpu, "q8_0", 1000, 1024)
     monkeypatch.setattr(BW, "amx_available", lambda: False)
     assert not BW.amx_eligible(cpu, "q8_0", 1024, 1024)
 
@@ -418,15 +442,15 @@ def test_amx_placement_rule_on_any_cpu(cpu, monkeypatch):
 @needs_amx
 def test_q4_0_prefers_our_vnni_kernel_to_ggmls_amx_one(cpu, monkeypatch):
     """q4_0 fits ggml's AMX buffer too, but our VNNI kernel (0022) was the faster one side by side
-    (backend_weights.VNNI_OVER_AMX); q8_0 stays on AMX where bulk appends multiply it. Without 0022,
-    q4_0 goes back to AMX."""
+    (backend_weights.VNNI_OVER_AMX); q8_0 goes to ggml's AMX buffer for bulk appends only where our
+    layout has no AMX kernel of its own (mm-amx-q8_0). Without 0022, q4_0 goes back to AMX."""
     import pyggml_dkv.ggml.capabilities as C
     from pyggml_dkv.drafter.backend_weights import repack_buffer
 
     if not vnni_available():
         pytest.skip("no VNNI kernels in this build")
     assert repack_buffer(cpu, "q4_0", 1024, 1024) == "CPU_DKV_REPACK"
-    assert repack_buffer(cpu, "q8_0", 1024, 1024) == "AMX"
+    assert repack_buffer(cpu, "q8_0", 1024, 1024) == ("CPU_DKV_REPACK" if q8_0_wide_on_our_amx() else "AMX")
     kernels = C.built_capabilities() - {C.Q4_0_VNNI_KERNEL}
     monkeypatch.setattr(C, "built_capabilities", lambda: kernels)
     assert repack_buffer(cpu, "q4_0", 1024, 1024) == "AMX"

@@ -97,6 +97,13 @@ def test_our_amx_kernels_run_on_tiles(compiler, tmp_path, name):
     assert "tdpbf16ps" in code and "ldtilecfg" in code
 
 
+def test_our_amx_q8_0_products_run_on_tiles(compiler, tmp_path):
+    """The q8_0 layout's wide products: signed activations x the layout's unsigned codes, and ggml's
+    tile configuration loaded (mm-amx-q8_0.cpp; a wrong guard compiles it to its nullptr stub)."""
+    code = instructions(compile_object(compiler, DKV / "mm-amx-q8_0.cpp", tmp_path))
+    assert "tdpbsud" in code and "ldtilecfg" in code and "tilestored" in code
+
+
 def test_ggml_amx_matmuls_compile_with_our_fix(compiler, tmp_path):
     """ggml's AMX matmuls with our fix (capability amx-tile-config): the tile configuration is
     written whole before ldtilecfg (the barrier GCC 12 needs) and loaded at every product."""

@@ -1,8 +1,10 @@
-"""q8_0 weights repacked for the AVX512-VNNI kernel (old patch 0010, CPUs without AMX).
+"""q8_0 weights repacked for the AVX512-VNNI kernel (old patch 0010).
 
-The kernel tests run where ggml carries the patch and was compiled for AVX512-VNNI (AMD Zen 4/5,
-Intel Ice Lake / Cascade Lake and later), on a Xeon with AMX in a child with PYGGML_DKV_NO_AMX=1
-(the last test); the default-weight-type rule and the buffer checks run everywhere.
+The kernel tests run where ggml carries the kernel and was compiled for AVX512-VNNI (AMD Zen 4/5,
+Intel Ice Lake / Cascade Lake and later); on a Xeon with AMX both in this process (products of 64
+rows or more on AMX tiles over the same layout, mm-amx-q8_0) and in a child with
+PYGGML_DKV_NO_AMX=1 (the last test). The default-weight-type rule and the buffer checks run
+everywhere.
 """
 
 from __future__ import annotations
@@ -33,14 +35,17 @@ from pyggml_dkv.ggml import (
     vnni_available,
 )
 from pyggml_dkv.ggml._lowlevel import ffi, lib
+from pyggml_dkv.ggml.capabilities import q8_0_wide_on_our_amx
 from tests.ggml.helpers import mul_mat_rows, quantize_q8_0_rows
 
-# on a CPU with AMX the AMX buffer takes some q8_0 matrices (the fold-in's) and the rules these
-# tests check differ: there they run in a PYGGML_DKV_NO_AMX=1 child (the last test)
+# on a CPU with AMX a build without our AMX q8_0 kernel puts some q8_0 matrices (the fold-in's) in
+# ggml's AMX buffer and the rules these tests check differ: there they run only in a
+# PYGGML_DKV_NO_AMX=1 child (the last test). With that kernel they run here too, their products of
+# 64 rows or more on AMX tiles (mm-amx-q8_0), and again in the child on VNNI alone.
 needs_vnni = pytest.mark.skipif(
-    not vnni_available() or amx_available(),
-    reason="no VNNI q8_0 kernel here (vnni-q8_0 / AVX512-VNNI), or an AMX CPU "
-    "(where a PYGGML_DKV_NO_AMX=1 child runs these)",
+    not vnni_available() or (amx_available() and not q8_0_wide_on_our_amx()),
+    reason="no VNNI q8_0 kernel here (vnni-q8_0 / AVX512-VNNI), or an AMX CPU whose q8_0 goes to ggml's "
+    "AMX buffer (where a PYGGML_DKV_NO_AMX=1 child runs these)",
 )
 
 CFG = DraftConfig(
@@ -95,7 +100,7 @@ def test_vnni_product_does_not_depend_on_the_thread_count():
     # 5 groups: 1 thread pairs 0-1 and 2-3, 5 threads none; 11 blocks, and 43
     for n_out, k in ((80, 352), (80, 1376)):
         w = rng.standard_normal((n_out, k)).astype(np.float32)
-        for rows in (1, 5, 9, 16, 34):
+        for rows in (1, 5, 9, 16, 34, 64, 100):  # 64, 100: on AMX tiles where the kernel runs
             x = rng.standard_normal((rows, k)).astype(np.float32)
             x[0, 32:64] *= 1e-30  # a block of tiny values (its scale rounds to an f16 subnormal or 0)
             outs = []

@@ -33,6 +33,11 @@ struct kv_rows {
     int32_t * sums;  // [nb][m][N_SUMS]  the layout's per-sub-block sums
     int64_t   nb;
     int64_t   m;
+    int64_t   step;  // = m: block b of row r at b * step + first(r), as in q8v_rows (never tiled here)
+
+    int64_t first(int64_t r) const {
+        return r;
+    }
 };
 
 // quantizes one 256-value block to q, returns its scale
@@ -104,6 +109,7 @@ struct k_vnni {
         kv_rows x;
         x.nb   = nb;
         x.m    = M;
+        x.step = M;
         x.q    = (int8_t *) w;
         x.d    = (float *) GGML_PAD((uintptr_t) (x.q + M * K), 64);
         x.sums = (int32_t *) GGML_PAD((uintptr_t) (x.d + M * nb), 64);

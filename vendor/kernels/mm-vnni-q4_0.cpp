@@ -36,6 +36,7 @@ struct q40v {
     static constexpr int     MT_MAX      = 16;
     static constexpr bool    PAIRS       = true;
     static constexpr int     PAIR_RUN    = 6;
+    static constexpr bool    WIDE_ON_AMX = false;  // no tile kernel of ours for q4_0
 
     static bool fits(const struct ggml_tensor * t) {
         return t->type == GGML_TYPE_Q4_0 && t->ne[0] % QK4_0 == 0 && t->ne[1] % VNNI_ROWS == 0 && t->ne[2] == 1 &&
@@ -65,7 +66,7 @@ struct q40v {
             const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (blk + 256)));
 #pragma GCC unroll 8
             for (int m = 0; m < MT; m++) {
-                const int64_t   i  = b * x.m + r0 + m;
+                const int64_t   i  = b * x.step + x.first(r0) + m;
                 const int32_t * xq = (const int32_t *) (x.q + i * QK8_0);
                 // two chains of four (vpdpbusd's latency)
                 __m512i s0 = _mm512_set1_epi32(x.c[i]), s1 = _mm512_setzero_si512();

@@ -42,6 +42,7 @@ struct q8v {
     static constexpr int     MT_MAX      = 16;
     static constexpr bool    PAIRS       = true;  // tiles over two groups (0023)
     static constexpr int     PAIR_RUN    = 6;     // rows per run: 4 x 6 int32 / f32 sums in registers
+    static constexpr bool    WIDE_ON_AMX = true;  // wide products on AMX tiles (mm-amx-q8_0.cpp)
 
     static bool fits(const struct ggml_tensor * t) {
         return t->type == GGML_TYPE_Q8_0 && t->ne[0] % QK8_0 == 0 && t->ne[1] % VNNI_ROWS == 0 && t->ne[2] == 1 &&
@@ -68,7 +69,7 @@ struct q8v {
             }
             const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (blk + 512)));
             for (int m = 0; m < MT; m++) {
-                const int64_t   i  = b * x.m + r0 + m;
+                const int64_t   i  = b * x.step + x.first(r0) + m;
                 const int32_t * xq = (const int32_t *) (x.q + i * QK8_0);
                 __m512i s = _mm512_set1_epi32(x.c[i]);
                 for (int j = 0; j < 8; j++) {

@@ -77,14 +77,22 @@ static inline float * vnni_dst_row(struct ggml_tensor * dst, int64_t r) {
 // side), so threads that split the rows wrote the same cache lines of every block's scales and
 // sums, each write taking the line from the other core: they split the blocks instead (old patch
 // 0025) where there are as many blocks as threads. Rows whose values are strided are gathered into
-// `gather` (ne[0] floats of this thread's own) and split by rows.
+// `gather` (ne[0] floats of this thread's own) and split by rows. `tile_rows` (16 for activations
+// stored by 16-row tiles, q8v_rows::tiled): those share no cache line across tiles, so the threads
+// split the rows in whole tiles, each reading whole rows (splitting the blocks made every thread
+// read half of each row, and the reads, not the arithmetic, took half of the pass).
 template <class Quantize>
 static inline void vnni_quantize_own_share(const struct ggml_compute_params * params, const struct ggml_tensor * src1,
-                                           float * gather, int64_t nb, Quantize && quantize) {
+                                           float * gather, int64_t nb, Quantize && quantize, int64_t tile_rows = 0) {
     const int64_t M = ggml_nrows(src1), K = src1->ne[0];
-    const bool by_blocks = src1->nb[0] == sizeof(float) && nb >= params->nth;
-    const int64_t r0 = by_blocks ? 0 : params->ith * M / params->nth;
-    const int64_t r1 = by_blocks ? M : (params->ith + 1) * M / params->nth;
+    const bool by_blocks = tile_rows == 0 && src1->nb[0] == sizeof(float) && nb >= params->nth;
+    const int64_t tiles = tile_rows > 0 ? (M + tile_rows - 1) / tile_rows : 0;
+    const int64_t r0 = by_blocks    ? 0
+                       : tiles > 0 ? params->ith * tiles / params->nth * tile_rows
+                                   : params->ith * M / params->nth;
+    const int64_t r1 = by_blocks    ? M
+                       : tiles > 0 ? std::min(M, (params->ith + 1) * tiles / params->nth * tile_rows)
+                                   : (params->ith + 1) * M / params->nth;
     const int64_t b0 = by_blocks ? params->ith * nb / params->nth : 0;
     const int64_t b1 = by_blocks ? (params->ith + 1) * nb / params->nth : nb;
     for (int64_t r = r0; r < r1 && b0 < b1; r++) {
@@ -112,17 +120,18 @@ static inline void vnni_quantize_own_share(const struct ggml_compute_params * pa
 // without any scaling (a standalone loop, one thread, weights in L1 / L2), with one per two ~97%.
 // The layouts' tiles are kept out of line (noinline): inlined into the callers' lambdas, q6_K's ran
 // at 2/3 of its speed.
+// Only rows [r_begin, r_end) when given (r_end < 0: to the last).
 template <int MT_MAX, bool PAIRS, class Tile>
 static inline void vnni_for_each_tile(const struct ggml_compute_params * params, struct ggml_tensor * op, size_t group_bytes,
-                                      Tile && tile) {
-    const int64_t G = op->src[0]->ne[1] / VNNI_ROWS, M = ggml_nrows(op->src[1]);
+                                      Tile && tile, int64_t r_begin = 0, int64_t r_end = -1) {
+    const int64_t G = op->src[0]->ne[1] / VNNI_ROWS, M = r_end < 0 ? ggml_nrows(op->src[1]) : r_end;
     const uint8_t * w0 = (const uint8_t *) op->src[0]->data;
     const int64_t g_end = (params->ith + 1) * G / params->nth;
     for (int64_t g = params->ith * G / params->nth; g < g_end;) {
         const bool pair = PAIRS && g_end - g >= 2;
         const uint8_t * wg = w0 + g * group_bytes;
         float * y[16];
-        for (int64_t r = 0; r < M;) {
+        for (int64_t r = r_begin; r < M;) {
             const int64_t left = M - r;
             const int mt = left >= 16 && MT_MAX >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
             for (int m = 0; m < mt; m++) {
@@ -152,14 +161,42 @@ static inline void vnni_for_each_tile(const struct ggml_compute_params * params,
 }
 
 // Activations of one product, quantized into the work buffer: m rows of nb 32-value blocks, stored
-// block by block so that a tile's rows of one block lie at fixed offsets from one pointer.
+// block by block so that a tile's rows of one block lie at fixed offsets from one pointer. Block b
+// of row r has index b * step + first(r) in q (32 bytes each), d and c: [nb][m] (step m), or, for
+// products on AMX tiles, by 16-row tiles [m / 16][nb][16] (step 16: `tiled`), so that the blocks a
+// tile reads one after another are neighbours in memory (at step m, 1024 rows put them 32 KB apart
+// and the tiles waited on L3). Rows r .. r + n - 1 of one 16-row tile are consecutive either way,
+// which is all the tiles assume (they start at multiples of 16 but for the last rows).
 struct q8v_rows {
-    int8_t  * q;   // [nb][m][32]
-    float   * d;   // [nb][m]  f16-rounded scales
-    int32_t * c;   // [nb][m]  -offset * sum of the block's values (the layout's code offset: 128 / 8)
+    int8_t  * q;      // the codes
+    float   * d;      // f16-rounded scales
+    int32_t * c;      // -offset * sum of the block's values (the layout's code offset: 128 / 8)
     int64_t   nb;
     int64_t   m;
+    int64_t   step;   // index distance of a row's consecutive blocks
+    bool      tiled;
+
+    int64_t first(int64_t r) const {
+        return tiled ? (r / 16) * 16 * nb + r % 16 : r;
+    }
 };
+
+// 16 activation rows x one 16-row weight group of the q8_0 layout, over every K block; y[m]: the
+// group's 16 outputs of row r0 + m
+using q8v_wide_tile = void (*)(const uint8_t * wg, const q8v_rows & x, int64_t r0, float * const * y);
+
+// mm-amx-q8_0.cpp: the q8_0 tile on AMX-INT8 tiles, with their configuration loaded on the calling
+// thread; nullptr where the build or the process has no AMX (PYGGML_DKV_NO_AMX=1). The same bits
+// as the VNNI tiles.
+q8v_wide_tile amx_q8_0_tile_on_this_thread();
+
+// activation rows from which a q8_0 product runs its 16-row tiles on AMX: below, a step's draft block
+// and fold-in (9-34 rows), where the VNNI tiles were the faster (docs/design.md); at 64 rows of a
+// 1024 x 5120 matrix the tiles took 0.66-0.83 ms and VNNI 0.87 (model-167 Xeon, 2 threads)
+constexpr int64_t AMX_Q8_0_MIN_ROWS = 64;
+// bytes of quantized activations a wide product's row chunk holds: the chunk stays in L2 while the
+// thread's weight groups pass over it (1024 x 5120 at 1024 rows 12.1 -> 11.5 ms against none)
+constexpr int64_t AMX_Q8_0_CHUNK_BYTES = 1 << 20;
 
 // Tiles over two consecutive weight groups (old patch 0023). The block loop: for every block,
 // rows(n, first, m0, block of group 0, block of group 1, b, acc0 + m0, acc1 + m0) for the tile's rows
@@ -215,37 +252,56 @@ template <class L, int MT, class Rows>
 static __attribute__((noinline)) void vnni_tile2(const uint8_t * GGML_RESTRICT wg, const Rows & x, int64_t r0, float * const * y) {
     vnni_pair_tile<MT, L::PAIR_RUN>(wg, x.nb * L::BLOCK_BYTES, x.nb, L::BLOCK_BYTES, y,
         [&](auto n, auto first, int m0, const uint8_t * blk0, const uint8_t * blk1, int64_t b, __m512 * acc0, __m512 * acc1) {
-            L::template pair_rows<decltype(n)::value, decltype(first)::value>(blk0, blk1, x, b, b * x.m + r0 + m0, acc0, acc1);
+            L::template pair_rows<decltype(n)::value, decltype(first)::value>(blk0, blk1, x, b, b * x.step + x.first(r0) + m0, acc0, acc1);
         });
 }
 
-// one row: its block b goes to q[b * m * 32], d[b * m], c[b * m]
+// one row: its block b goes to q[b * m * 32], d[b * m], c[b * m]. Blocks go 16 at a time: their
+// scales' two divisions (scalar, one block after another, they bounded the whole pass: 0.3 ms for
+// 1024 x 1024 values on 2 threads, a third of a bulk append's k_proj product on AMX) are then two
+// vector divisions, the same IEEE results.
 static inline void q8v_quantize_row(const float * GGML_RESTRICT x, int8_t * GGML_RESTRICT q, float * GGML_RESTRICT d,
                                     int32_t * GGML_RESTRICT c, int64_t nb, int64_t m, int32_t offset) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
-    for (int64_t b = 0; b < nb; b++) {
-        const __m512 v0 = _mm512_loadu_ps(x + b * QK8_0);
-        const __m512 v1 = _mm512_loadu_ps(x + b * QK8_0 + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-        // a NaN or inf in the block makes its scale NaN, so the row's outputs are NaN as in f32
-        // arithmetic (max_ps would silently drop a NaN; the values are then quantized as zeros)
-        const bool finite = !(_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) &&
-                            std::isfinite(amax);
-        const float db = finite ? amax / 127.0f : NAN;
-        const float id = finite && db != 0.0f ? 1.0f / db : 0.0f;
-        // MXCSR's default rounding (nearest even), like ggml's vectorised q8_0 quantization
-        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-        // saturating narrow: the values are within +-127 already
-        _mm_storeu_si128((__m128i *) (q + b * m * QK8_0), _mm512_cvtsepi32_epi8(i0));
-        _mm_storeu_si128((__m128i *) (q + b * m * QK8_0 + 16), _mm512_cvtsepi32_epi8(i1));
-        // the sum of the stored (saturated) bytes, re-widened, so the correction matches them exactly
-        const __m512i s = _mm512_add_epi32(_mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(i0)),
-                                           _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(i1)));
-        c[b * m] = -offset * _mm512_reduce_add_epi32(s);
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int n = (int) std::min<int64_t>(16, nb - b0);
+        alignas(64) float amax[16];
+        __mmask16 bad = 0;  // blocks with a NaN or inf
+        for (int j = 0; j < n; j++) {
+            const __m512 v0 = _mm512_loadu_ps(x + (b0 + j) * QK8_0);
+            const __m512 v1 = _mm512_loadu_ps(x + (b0 + j) * QK8_0 + 16);
+            amax[j] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+            // a NaN or inf in the block makes its scale NaN, so the row's outputs are NaN as in f32
+            // arithmetic (max_ps would silently drop a NaN; the values are then quantized as zeros)
+            const bool finite = !(_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) &&
+                                std::isfinite(amax[j]);
+            bad |= (__mmask16) (!finite) << j;
+        }
+        const __mmask16 live = (__mmask16) ((1u << n) - 1);
+        // db = amax / 127 (NaN for a bad block), id = 1 / db (0 where db is 0 or the block bad)
+        __m512 db = _mm512_div_ps(_mm512_maskz_load_ps(live, amax), _mm512_set1_ps(127.0f));
+        db = _mm512_mask_mov_ps(db, bad, _mm512_set1_ps(NAN));
+        const __mmask16 invertible = live & (__mmask16) ~bad & _mm512_cmp_ps_mask(db, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+        alignas(64) float ids[16], ds[16];
+        _mm512_store_ps(ids, _mm512_maskz_div_ps(invertible, _mm512_set1_ps(1.0f), db));
         // f16 and back with F16C (ggml's scalar FP32 -> FP16 conversion is a bit-by-bit software one
         // on x86: under `perf` a fifth of this function; the same nearest-even result, old patch 0025)
-        d[b * m] = _cvtsh_ss(_cvtss_sh(db, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm512_store_ps(ds, _mm512_cvtph_ps(_mm512_cvtps_ph(db, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+        for (int j = 0; j < n; j++) {
+            const int64_t b  = b0 + j;
+            const __m512  v0 = _mm512_loadu_ps(x + b * QK8_0);
+            const __m512  v1 = _mm512_loadu_ps(x + b * QK8_0 + 16);
+            // MXCSR's default rounding (nearest even), like ggml's vectorised q8_0 quantization
+            const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(ids[j])));
+            const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(ids[j])));
+            // saturating narrow: the values are within +-127 already
+            const __m128i n0 = _mm512_cvtsepi32_epi8(i0), n1 = _mm512_cvtsepi32_epi8(i1);
+            _mm_storeu_si128((__m128i *) (q + b * m * QK8_0), n0);
+            _mm_storeu_si128((__m128i *) (q + b * m * QK8_0 + 16), n1);
+            // the sum of the stored (saturated) bytes, re-widened, so the correction matches them exactly
+            c[b * m] = -offset * _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_cvtepi8_epi32(n0), _mm512_cvtepi8_epi32(n1)));
+            d[b * m] = ds[j];
+        }
     }
 }
 
@@ -266,8 +322,9 @@ static inline __attribute__((always_inline)) void b32_pair_scale(const __m512i *
 
 // The driver of the 32-value layouts (q8_0, q4_0; 0010's): every thread quantizes its share of the
 // activation rows per 32 values (as q8_0), a barrier, then the tiles run over the 16-row weight
-// groups (vnni_for_each_tile). L: the layout (BLOCK_BYTES, OFFSET, MT_MAX, PAIRS, PAIR_RUN, fits,
-// tile, pair_rows, repack_block, block).
+// groups (vnni_for_each_tile). L: the layout (BLOCK_BYTES, OFFSET, MT_MAX, PAIRS, PAIR_RUN,
+// WIDE_ON_AMX, fits, tile, pair_rows, repack_block, block). With WIDE_ON_AMX, a product of
+// AMX_Q8_0_MIN_ROWS rows or more runs its 16-row tiles on AMX tiles where the process has them.
 template <class L>
 struct b32_vnni {
     static bool fits(const struct ggml_tensor * t) {
@@ -283,8 +340,9 @@ struct b32_vnni {
     }
 
     static size_t work_size(int n_threads, const struct ggml_tensor * op) {
-        const int64_t m = ggml_nrows(op->src[1]), nb = op->src[0]->ne[0] / QK8_0;
-        // q + d + c, then one f32 row per thread to gather rows whose values are not contiguous
+        const int64_t m = GGML_PAD(ggml_nrows(op->src[1]), 16), nb = op->src[0]->ne[0] / QK8_0;
+        // q + d + c (rows padded to whole 16-row tiles: `tiled`), then one f32 row per thread to
+        // gather rows whose values are not contiguous
         return (size_t) m * nb * (QK8_0 + 2 * sizeof(float)) + 3 * 64 + (size_t) n_threads * nb * QK8_0 * sizeof(float);
     }
 
@@ -294,30 +352,56 @@ struct b32_vnni {
         const int64_t K = src0->ne[0], nb = K / QK8_0;
         const int64_t M = ggml_nrows(src1);
 
+        // every thread gets the same answer (the process may use AMX or not), so all quantize alike
+        q8v_wide_tile wide = nullptr;
+        if constexpr (L::WIDE_ON_AMX) {
+            wide = M >= AMX_Q8_0_MIN_ROWS ? amx_q8_0_tile_on_this_thread() : nullptr;
+        }
+        const int64_t Mp = GGML_PAD(M, 16);
         char * w = (char *) GGML_PAD((uintptr_t) params->wdata, 64);
         q8v_rows x;
-        x.nb = nb;
-        x.m  = M;
-        x.q  = (int8_t *) w;
-        x.d  = (float *) GGML_PAD((uintptr_t) (x.q + M * K), 64);
-        x.c  = (int32_t *) GGML_PAD((uintptr_t) (x.d + M * nb), 64);
-        float * gather = (float *) (x.c + M * nb);
+        x.nb    = nb;
+        x.m     = M;
+        x.tiled = wide != nullptr;
+        x.step  = x.tiled ? 16 : M;
+        x.q     = (int8_t *) w;
+        x.d     = (float *) GGML_PAD((uintptr_t) (x.q + Mp * K), 64);
+        x.c     = (int32_t *) GGML_PAD((uintptr_t) (x.d + Mp * nb), 64);
+        float * gather = (float *) (x.c + Mp * nb);
         GGML_ASSERT((char *) (gather + (size_t) params->nth * K) <= (char *) params->wdata + params->wsize);
 
         vnni_quantize_own_share(params, src1, gather + (size_t) params->ith * K, nb,
                                 [&](const float * xr, int64_t r, int64_t b0, int64_t b1) {
-            q8v_quantize_row(xr + b0 * QK8_0, x.q + (b0 * M + r) * QK8_0, x.d + b0 * M + r, x.c + b0 * M + r, b1 - b0, M,
-                             L::OFFSET);
-        });
+            const int64_t i = b0 * x.step + x.first(r);
+            q8v_quantize_row(xr + b0 * QK8_0, x.q + i * QK8_0, x.d + i, x.c + i, b1 - b0, x.step, L::OFFSET);
+        }, x.tiled ? 16 : 0);
         ggml_barrier(params->threadpool);
-        vnni_for_each_tile<L::MT_MAX, L::PAIRS>(params, op, nb * L::BLOCK_BYTES,
-                                                [&](auto mt, auto groups, const uint8_t * wg, int64_t r, float * const * y) {
+        auto tile = [&](auto mt, auto groups, const uint8_t * wg, int64_t r, float * const * y) {
+            if constexpr (L::WIDE_ON_AMX && decltype(mt)::value == 16) {
+                if (wide != nullptr) {  // a pair of groups: one after the other
+                    wide(wg, x, r, y);
+                    if constexpr (decltype(groups)::value == 2) {
+                        float * y1[16];
+                        for (int m = 0; m < 16; m++) {
+                            y1[m] = y[m] + VNNI_ROWS;
+                        }
+                        wide(wg + nb * L::BLOCK_BYTES, x, r, y1);
+                    }
+                    return;
+                }
+            }
             if constexpr (decltype(groups)::value == 2) {
                 vnni_tile2<L, decltype(mt)::value>(wg, x, r, y);
             } else {
                 L::template tile<decltype(mt)::value>(wg, x, r, y);
             }
-        });
+        };
+        // on AMX, rows in chunks whose quantized activations stay in L2 while every weight group of
+        // the thread passes over them (AMX_Q8_0_CHUNK_BYTES)
+        const int64_t chunk = wide != nullptr ? std::max<int64_t>(16, (AMX_Q8_0_CHUNK_BYTES / K) / 16 * 16) : M;
+        for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+            vnni_for_each_tile<L::MT_MAX, L::PAIRS>(params, op, nb * L::BLOCK_BYTES, tile, r0, std::min(M, r0 + chunk));
+        }
     }
 
     static void repack(struct ggml_tensor * t, const void * data) {
