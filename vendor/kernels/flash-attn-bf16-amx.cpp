@@ -8,10 +8,9 @@
 // Why: vdpbf16ps runs at half an f32 FMA's multiply-adds on Intel's cores; one tile product
 // multiplies 16 x 32 by 32 x 16 bf16 values.
 //
-// Not yet run on AMX hardware in this form (ported from the 0.10.1 build, where it was measured:
-// on a model-167 Xeon the small drafter's q8_0 step with attention="bf16" on tiles took 5.14 /
-// 6.40 / 9.87 ms at window 64 / 1024 / 4096 against 5.52 / 7.52 / 13.40 with f32 attention;
-// docs/perf-notes.md). tests/ggml/test_ops.py's bf16 tests and tests/ggml/test_amx.py check it
+// Ported from the 0.10.1 build. On a model-167 Xeon (family 6, model 167) the small drafter's q8_0
+// step with attention="bf16" takes 5.55 / 6.88 / 10.11 ms at window 64 / 1024 / 4096 (0.99-1.02 of
+// the 0.10.1 build's; f32 attention: 5.78 / 7.73 / 13.01; benchmarks/README.md). tests/ggml/test_ops.py's bf16 tests and tests/ggml/test_amx.py check it
 // where the CPU has AMX.
 //
 // Pyggml-Dkv-Capability: fa-bf16-amx

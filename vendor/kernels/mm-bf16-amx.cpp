@@ -10,8 +10,9 @@
 // 16-column groups, the last group possibly narrower (TMM7). Every output is one thread's, summed in
 // a fixed order: the thread count does not change a bit.
 //
-// Not yet run on AMX hardware in this form (ported from the 0.10.1 build, where it was measured on
-// a model-167 Xeon: a bf16 GGUF step 12.3-12.9 -> 10.1 ms at window 64 with 0043; docs/perf-notes.md).
+// Ported from the 0.10.1 build (where 0043 took a bf16 GGUF step from 12.3-12.9 to 10.1 ms at
+// window 64 on a model-167 Xeon; docs/perf-notes.md). On the same kind of Xeon the small drafter's
+// bf16 step takes 0.97-0.99 of the 0.10.1 build's time (benchmarks/README.md).
 // tests/ggml/test_bf16_products.py and test_amx.py check it where the CPU has AMX.
 //
 // Pyggml-Dkv-Capability: mm-bf16-amx
