@@ -10,7 +10,7 @@
 #   GGML_SRC=/path ./build_ggml.sh  build a ggml checkout of your own instead of the pin
 #   GGML_PATCHES=none ./build_ggml.sh  build the pinned ggml without our patches and kernels (default:
 #                                      all, i.e. vendor/patches/ggml-$GGML_VERSION/*.patch, and
-#                                      vendor/kernels/ copied into src/ggml-cpu/dkv/, GGML_CPU_DKV=ON)
+#                                      kernels/ copied into src/ggml-cpu/dkv/, GGML_CPU_DKV=ON)
 #
 # Other knobs: CUDA_ARCHITECTURES (default: native when a GPU is visible, else 90),
 # GGML_BUILD_TYPE (Release), GGML_JOBS (nproc), GGML_SANITIZE=address (ASan build),
@@ -59,7 +59,7 @@ fetch_pinned_source() {
     # our kernel files, behind the series' hook (GGML_CPU_DKV, ggml-cpu's extra buffer types)
     if [ ${#KERNELS[@]} -gt 0 ]; then
         grep -q GGML_USE_CPU_DKV "$tmp/$GGML_SDIST_SUBDIR/src/ggml-cpu/ggml-cpu.cpp" \
-            || { rm -rf "$tmp"; die "vendor/kernels needs the hook patch (GGML_CPU_DKV) in vendor/patches/ggml-$GGML_VERSION"; }
+            || { rm -rf "$tmp"; die "kernels/ needs the hook patch (GGML_CPU_DKV) in vendor/patches/ggml-$GGML_VERSION"; }
         mkdir -p "$tmp/$GGML_SDIST_SUBDIR/src/ggml-cpu/dkv"
         cp "${KERNELS[@]}" "$tmp/$GGML_SDIST_SUBDIR/src/ggml-cpu/dkv/"
     fi
@@ -97,7 +97,7 @@ PATCH_DIR="$VENDOR/patches/ggml-$GGML_VERSION"
 case "${GGML_PATCHES:-all}" in
     all)  shopt -s nullglob
           PATCHES=("$PATCH_DIR"/*.patch)
-          KERNELS=("$VENDOR"/kernels/*.c "$VENDOR"/kernels/*.cpp "$VENDOR"/kernels/*.h)
+          KERNELS=("$ROOT"/kernels/*.c "$ROOT"/kernels/*.cpp "$ROOT"/kernels/*.h)
           shopt -u nullglob ;;
     none) PATCHES=(); KERNELS=() ;;
     *)    die "GGML_PATCHES=${GGML_PATCHES} (expected all or none)" ;;
@@ -163,7 +163,7 @@ CMAKE_ARGS=(
     -DCMAKE_INSTALL_LIBDIR=lib
 )
 VARIANT="cpu"
-# our kernel files (vendor/kernels, copied into src/ggml-cpu/dkv/ of the pinned source)
+# our kernel files (kernels/, copied into src/ggml-cpu/dkv/ of the pinned source)
 if [ ${#KERNELS[@]} -gt 0 ] && [ "${SRC_ID#custom:}" = "$SRC_ID" ]; then
     CMAKE_ARGS+=(-DGGML_CPU_DKV=ON)
 fi

@@ -1,8 +1,8 @@
 """Our tiled flash attention against ggml's own, side by side: the same Q, K/V and mask with K/V in
-our CPU_DKV buffer (our kernel: vendor/kernels/flash-attn-tiled.cpp) and in ggml's CPU buffer
+our CPU_DKV buffer (our kernel: kernels/flash-attn-tiled.cpp) and in ggml's CPU buffer
 (ggml 0.25.3's: its tiled kernel from 64 query rows per head, its per-row one below), and, where the
 build and CPU have them (`bf16_attention_kernel()`), our kernel's bf16 products (attention="bf16":
-vendor/kernels/flash-attn-bf16.cpp) on the same K/V.
+kernels/flash-attn-bf16.cpp) on the same K/V.
 
     python benchmarks/ab_flash_attn.py [--threads 2] [--reps 40]
 

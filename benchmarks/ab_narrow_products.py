@@ -1,5 +1,5 @@
 """Our narrow products against ggml's own, side by side: the same f16 / bf16 weights in our CPU_DKV
-buffer (our kernels: vendor/kernels/mm-*.cpp) and in ggml's CPU buffer (ggml 0.25.3's own path:
+buffer (our kernels: kernels/mm-*.cpp) and in ggml's CPU buffer (ggml 0.25.3's own path:
 the columns rounded to f16 / bf16, llamafile's GEMM), multiplied by the same f32 columns.
 
     python benchmarks/ab_narrow_products.py [--threads 2] [--reps 40] [--types f16,bf16]

@@ -1,5 +1,5 @@
 """Our AVX512-VNNI products of repacked quantized weights against ggml's own, side by side: the same
-weights in our CPU_DKV_REPACK buffer (our kernels: vendor/kernels/mm-vnni-*.cpp), in ggml's CPU
+weights in our CPU_DKV_REPACK buffer (our kernels: kernels/mm-vnni-*.cpp), in ggml's CPU
 buffer (ggml 0.25.3's own path for the type: its vec_dot against q8_0 / q8_K rows, llamafile's
 tinyBLAS or its tiled/ K-quant kernel where they take the shape) and, where ggml's CPU_REPACK has a
 layout for the type here (q4_0 / q4_K: its AVX2 8x8 interleaves; none for q8_0, q5_K, q6_K on

@@ -28,7 +28,7 @@ const char * pyggml_dkv_built_ggml_version(void);
 const char * pyggml_dkv_built_variant(void);
 const char * pyggml_dkv_built_ggml_build_id(void);
 
-/* kernels.c: the CPU device with our CPU_DKV buffer type as its own (vendor/kernels/dkv.h), for an
+/* kernels.c: the CPU device with our CPU_DKV buffer type as its own (kernels/dkv.h), for an
    RPC server whose products should run our kernels as local weights in CPU_DKV do; NULL where the
    build has no CPU_DKV buffer type */
 ggml_backend_dev_t pyggml_dkv_cpu_dkv_device(void);

@@ -45,9 +45,9 @@ static const char kernels[] = ""
     ",cpu-dkv-hook"     /* P1: ggml-cpu compiles our kernel files behind their extra buffer type */
 #endif
 #if defined(PYGGML_DKV_HAS_DKV_BUFFER) && defined(PYGGML_DKV_HAS_CPU_DKV_HOOK)
-    ",dkv-buffer"       /* vendor/kernels/buffer.cpp: the CPU_DKV extra buffer type */
+    ",dkv-buffer"       /* kernels/buffer.cpp: the CPU_DKV extra buffer type */
 #endif
-/* the narrow products of f16 / bf16 weights in CPU_DKV buffers (vendor/kernels/mm-narrow.h) */
+/* the narrow products of f16 / bf16 weights in CPU_DKV buffers (kernels/mm-narrow.h) */
 #if defined(PYGGML_DKV_HAS_MM_F16_NARROW) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
     ",mm-f16-narrow"    /* mm-f16-narrow.cpp: f16 x <= 64 f32 columns on AVX-512 FMAs */
 #endif
@@ -64,9 +64,9 @@ static const char kernels[] = ""
     ",mm-half-avx2"     /* mm-half-avx2.cpp: f16 / bf16 x <= 64 f32 columns on AVX2 FMAs */
 #endif
 #if defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER) && defined(PYGGML_DKV_HAS_CPU_DKV_HOOK)
-    ",dkv-repack-buffer" /* vendor/kernels/repack.cpp: the CPU_DKV_REPACK extra buffer type */
+    ",dkv-repack-buffer" /* kernels/repack.cpp: the CPU_DKV_REPACK extra buffer type */
 #endif
-/* the int8 products of weights repacked in CPU_DKV_REPACK buffers (vendor/kernels/mm-vnni.h) */
+/* the int8 products of weights repacked in CPU_DKV_REPACK buffers (kernels/mm-vnni.h) */
 #if defined(PYGGML_DKV_HAS_VNNI_Q8_0) && defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER)
     ",vnni-q8_0"        /* mm-vnni-q8_0.cpp: q8_0 in 16-row groups, vpdpbusd (AVX512-VNNI) */
 #endif
@@ -85,7 +85,7 @@ static const char kernels[] = ""
 #if defined(PYGGML_DKV_HAS_VNNI_Q5_K) && defined(PYGGML_DKV_HAS_DKV_REPACK_BUFFER)
     ",vnni-q5_k"        /* mm-vnni-q5_k.cpp: q5_K in 16-row groups, nibbles and a fifth-bit plane */
 #endif
-/* flash attention over K/V caches in CPU_DKV buffers (vendor/kernels/flash-attn.h) */
+/* flash attention over K/V caches in CPU_DKV buffers (kernels/flash-attn.h) */
 #if defined(PYGGML_DKV_HAS_FA_TILED) && defined(PYGGML_DKV_HAS_DKV_BUFFER)
     ",fa-tiled"         /* flash-attn-tiled.cpp: f32 64 x 64 tiles from 8 query rows (AVX-512) */
 #endif
@@ -98,7 +98,7 @@ static const char kernels[] = ""
     ;
 
 #if defined(PYGGML_DKV_HAS_DKV_BUFFER) && defined(PYGGML_DKV_HAS_CPU_DKV_HOOK)
-/* vendor/kernels/dkv.h (inside ggml-cpu; not installed) */
+/* kernels/dkv.h (inside ggml-cpu; not installed) */
 ggml_backend_dev_t ggml_backend_cpu_dkv_device(void);
 #endif
 

@@ -160,7 +160,7 @@ FA_MASKED_KEYS_FIX = "fa-masked-keys"
 # a graph built once carries a uid (ggml_graph_renew_uid), so ggml's RPC client resends only
 # GRAPH_RECOMPUTE for it (ggml 0.25.3 reuses a graph by uid; only its scheduler could set one)
 GRAPH_UID_FIX = "graph-uid"
-# ggml-cpu compiles our kernel files (vendor/kernels) behind their own extra buffer type (P1), and
+# ggml-cpu compiles our kernel files (kernels/) behind their own extra buffer type (P1), and
 # that buffer type, "CPU_DKV", is registered (first among cpu_extra_buffer_types())
 CPU_DKV_HOOK = "cpu-dkv-hook"
 DKV_BUFFER_KERNEL = "dkv-buffer"
@@ -396,7 +396,7 @@ def vnni_available() -> bool:
 
 
 # Wide q8_0 products (from 64 rows: a bulk append's, the one-shot graph's context rows) of the
-# VNNI layout on AMX-INT8 tiles (vendor/kernels/mm-amx-q8_0.cpp): one repacked copy of a matrix
+# VNNI layout on AMX-INT8 tiles (kernels/mm-amx-q8_0.cpp): one repacked copy of a matrix
 # serves a step's few rows on VNNI and a prompt's hundreds on AMX, with the same bits.
 Q8_0_AMX_KERNEL = "mm-amx-q8_0"
 

@@ -11,7 +11,7 @@
 // columns of x: a last block of one row and a last tile of three columns), attn [70][4][64].
 // The graph runs on 1, 2 and 3 threads; every output must be the same bits each time (exit 3).
 // The f16 / bf16 weights wf and wb live in our CPU_DKV buffer where the build has it (as
-// BackendWeights places them), so that their products reach our narrow kernels (vendor/kernels).
+// BackendWeights places them), so that their products reach our narrow kernels (kernels/).
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"

@@ -1,6 +1,6 @@
 """Our AMX code compiles where it cannot run. The package's ggml is built for its machine
 (GGML_NATIVE), so on a CPU without AMX (AMD Zen 4 / 5, most CI machines) nothing compiles the AMX
-kernels of vendor/kernels or ggml's AMX matmuls with our patch: a break there would first show on
+kernels of kernels/ or ggml's AMX matmuls with our patch: a break there would first show on
 an AMX Xeon. This compiles them (and every other kernel file) with the AMX flags of a Sapphire
 Rapids build and checks that the tile instructions are really there (a wrong guard would compile
 the kernel to its nullptr stub). Compile only: running them needs AMX (tests/ggml/test_amx.py)."""

@@ -40,7 +40,7 @@ CMAKE_ARGS = [
     "-DGGML_OPENMP=ON",
     "-DGGML_BUILD_TESTS=OFF",
     "-DGGML_BUILD_EXAMPLES=OFF",
-    # our kernel files (vendor/kernels, copied there by build_ggml.sh) compile here too:
+    # our kernel files (kernels/, copied there by build_ggml.sh) compile here too:
     # their guards around AVX-512 code are checked by this build
     f"-DGGML_CPU_DKV={'ON' if (SRC / 'src' / 'ggml-cpu' / 'dkv').is_dir() else 'OFF'}",
 ]

@@ -239,7 +239,7 @@ def test_flash_attn_ext_gqa_with_mask(be, rng, prec_f32):
 @pytest.mark.parametrize("n_q", [70, 32, 9])
 def test_flash_attn_ext_tiled_kernel(rng, kv_type, n_threads, n_q):
     """8+ query rows per head over K/V in our CPU_DKV buffer (the drafter's caches): our tiled
-    kernel (vendor/kernels/flash-attn-tiled.cpp, old patches 0003 / 0006: transposed scores on
+    kernel (kernels/flash-attn-tiled.cpp, old patches 0003 / 0006: transposed scores on
     AVX-512); from 64 rows ggml's own tiled kernel gives the same precision where ours is absent.
 
     267 keys = four whole 64-key tiles + a partial one (vector and scalar tails): a fully masked

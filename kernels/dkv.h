@@ -1,5 +1,5 @@
 // pyggml_dkv's kernels inside ggml-cpu (docs/ggml-port-plan.md, "Kernel files"). build_ggml.sh
-// copies vendor/kernels/ into src/ggml-cpu/dkv/ of the pinned ggml, and the series' hook patch
+// copies kernels/ into src/ggml-cpu/dkv/ of the pinned ggml, and the series' hook patch
 // (GGML_CPU_DKV) compiles that folder and lists ggml_backend_cpu_dkv_buffer_types() first among
 // ggml-cpu's extra buffer types.
 #pragma once
